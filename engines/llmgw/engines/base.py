@@ -1,0 +1,123 @@
+"""The engine adapter interface shared by every engine llmgw can run.
+
+An adapter turns a :class:`ShardLaunch` (what the control plane asked for)
+into the command lines that start the engine, and says how to tell when the
+engine is ready. It does no I/O itself: the agent's supervisor runs the
+commands and probes the health path.
+
+Rules (``shared/spec/engines.md``):
+
+- keys always travel in the environment (``LLAMA_API_KEY`` for llama.cpp and
+  the sim engine), never on the command line;
+- ``CUDA_VISIBLE_DEVICES`` comes from ``gpu_indices``;
+- a JSON health body whose ``status`` is one of :data:`NOT_READY_STATUSES`
+  means not ready, even with HTTP 200; a non-JSON body counts as ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import attrs
+import orjson
+
+__all__ = [
+    "NOT_READY_STATUSES",
+    "Command",
+    "EngineAdapter",
+    "ShardLaunch",
+    "body_says_ready",
+]
+
+#: Health ``status`` values that mean "not ready yet" (agent.md, Engine supervision).
+NOT_READY_STATUSES = frozenset(
+    {"loading", "starting", "initializing", "warming_up", "error", "unhealthy"}
+)
+
+#: The most of a health body that is read, in bytes (agent.md).
+MAX_HEALTH_BODY_BYTES = 64 * 1024
+
+
+@attrs.frozen(kw_only=True)
+class ShardLaunch:
+    """Everything an adapter needs to build a shard's command lines.
+
+    Attributes:
+        replica_id: the replica this shard belongs to.
+        http_port: the TCP port the engine's HTTP server listens on.
+        bind_addr: the address it binds (``127.0.0.1`` for ``llmgw up``).
+        model_path: a local weights file (GGUF for llama.cpp); ignored by sim.
+        served_model_name: the model name the engine answers to.
+        api_key: the engine key; empty means keyless (with a warning).
+        gpu_indices: the cards given to this shard; empty on CPU.
+        context_tokens: the context window per slot times slots (``--ctx-size``).
+        slots: parallel sequences (``--parallel``).
+        cpu_cores: threads for CPU engines; 0 lets the engine decide.
+        args: extra, already vetted, engine arguments.
+        env: extra, already vetted, environment variables.
+    """
+
+    replica_id: str
+    http_port: int
+    bind_addr: str = "127.0.0.1"
+    model_path: str = ""
+    served_model_name: str
+    api_key: str = ""
+    gpu_indices: tuple[int, ...] = ()
+    context_tokens: int = 4096
+    slots: int = 4
+    cpu_cores: int = 0
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class Command:
+    """One process to start for a shard: ``[path, *args]`` with ``env`` added
+    to the agent's environment."""
+
+    name: str
+    path: str
+    args: tuple[str, ...]
+    env: Mapping[str, str]
+
+    @property
+    def argv(self) -> list[str]:
+        return [self.path, *self.args]
+
+
+class EngineAdapter(Protocol):
+    """What the agent needs to know about one kind of engine."""
+
+    @property
+    def name(self) -> str: ...
+
+    def health_path(self) -> str:
+        """The HTTP path the readiness probe GETs with the engine key."""
+        ...
+
+    def metrics_path(self) -> str:
+        """The Prometheus path, scraped with the engine key."""
+        ...
+
+    def commands(self, shard: ShardLaunch) -> list[Command]:
+        """The processes that run ``shard``; the key is in ``env`` only."""
+        ...
+
+
+def body_says_ready(body: bytes) -> bool:
+    """Whether a 200 health body means ready (agent.md's rule).
+
+    A JSON object whose ``status`` is in :data:`NOT_READY_STATUSES` is not
+    ready; any other body, JSON or not (``OK``), is.
+    """
+    try:
+        doc = orjson.loads(body[:MAX_HEALTH_BODY_BYTES])
+    except orjson.JSONDecodeError:
+        return True
+    if isinstance(doc, dict):
+        status = doc.get("status")
+        if isinstance(status, str) and status.lower() in NOT_READY_STATUSES:
+            return False
+    return True
