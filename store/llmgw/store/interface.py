@@ -92,9 +92,7 @@ class Store(Protocol):
     async def put_setting(self, key: str, value: Any) -> None: ...
 
     # --- leases --------------------------------------------------------------
-    async def acquire_lease(
-        self, name: str, holder: str, ttl_s: float, now: float
-    ) -> Lease | None:
+    async def acquire_lease(self, name: str, holder: str, ttl_s: float, now: float) -> Lease | None:
         """Take or renew the lease ``name`` for ``holder`` until ``now + ttl_s``.
 
         Succeeds when the lease is free, expired, or already ``holder``'s

@@ -1,0 +1,356 @@
+"""What only the SQLite backend does: its file, pragmas, migrations, backups."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import os
+import sqlite3
+import stat
+from pathlib import Path
+
+import pytest
+import trio
+
+from llmgw.store import KeyRecord, SqliteStore, StoreError, UsageRow, open_store
+from llmgw.store.sqlite import open_sqlite_store
+
+EXTRA_MIGRATION = """
+-- A later migration for the tests: a new table and a new column.
+CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT NOT NULL);
+ALTER TABLE keys ADD COLUMN note TEXT NOT NULL DEFAULT '';
+"""
+
+
+def query(path: Path, sql: str) -> list[tuple[object, ...]]:
+    """Rows of ``sql`` read through a separate, short-lived connection."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def packaged_plus(tmp_path: Path, extra: dict[str, str]) -> Path:
+    """A migrations folder: the shipped files plus ``extra`` (name → SQL)."""
+    folder = tmp_path / "migrations"
+    folder.mkdir()
+    shipped = importlib.resources.files("llmgw.store").joinpath("migrations", "sqlite")
+    for entry in shipped.iterdir():
+        if entry.name.endswith(".sql"):
+            (folder / entry.name).write_text(entry.read_text(encoding="utf-8"), encoding="utf-8")
+    for name, sql in extra.items():
+        (folder / name).write_text(sql, encoding="utf-8")
+    return folder
+
+
+KEY = KeyRecord(id="key_1", name="one", key_hash="a" * 64, prefix="sk-llmgw-aaaa", created_at=1.0)
+
+
+def backups(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if ".bak-" in p.name)
+
+
+# --- the file ----------------------------------------------------------------
+
+
+async def test_the_migration_files_ship_inside_the_package() -> None:
+    shipped = importlib.resources.files("llmgw.store").joinpath("migrations", "sqlite")
+    init = shipped.joinpath("0001_init.sql")
+    assert init.is_file()
+    assert "CREATE TABLE usage" in init.read_text(encoding="utf-8")
+
+
+async def test_opening_creates_the_folder_and_a_private_file_in_wal_mode(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "er" / "store.db"
+    async with open_sqlite_store(path) as store:
+        assert isinstance(store, SqliteStore)
+        assert store.path == path
+        assert path.is_file()
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert query(path, "PRAGMA journal_mode") == [("wal",)]
+
+
+async def test_the_store_connection_is_wal_synchronous_normal_with_a_busy_timeout(
+    tmp_path: Path,
+) -> None:
+    async with open_sqlite_store(tmp_path / "s.db") as store:
+        conn = store._db.conn
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert conn.execute("PRAGMA synchronous").fetchone() == (1,)  # NORMAL
+        assert conn.execute("PRAGMA busy_timeout").fetchone() == (5000,)
+
+
+async def test_the_schema_has_the_tables_and_usage_indexes(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path):
+        pass
+    tables = {r[0] for r in query(path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"keys", "usage", "models", "settings", "secrets", "leases", "schema_migrations"} <= (
+        tables
+    )
+    indexed = {
+        r[0] for r in query(path, "SELECT name FROM pragma_index_list('usage') WHERE origin = 'c'")
+    }
+    assert indexed == {"usage_created_at", "usage_key_id", "usage_model"}
+
+
+async def test_a_closed_store_refuses_calls(tmp_path: Path) -> None:
+    async with open_sqlite_store(tmp_path / "s.db") as store:
+        pass
+    with pytest.raises(StoreError, match="closed"):
+        await store.list_keys()
+    await store.aclose()  # closing twice is harmless
+
+
+async def test_a_file_that_is_not_a_database_is_a_store_error(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StoreError, match="not a database"):
+        async with open_sqlite_store(path):
+            pass
+
+
+# --- migrations --------------------------------------------------------------
+
+
+async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path):
+        pass
+    first = query(path, "SELECT version, name, applied_at FROM schema_migrations")
+    async with open_sqlite_store(path):
+        pass
+    assert query(path, "SELECT version, name, applied_at FROM schema_migrations") == first
+    assert [(v, n) for v, n, _ in first] == [(1, "0001_init.sql")]
+    assert backups(path) == []
+
+
+async def test_a_new_migration_on_an_existing_database_backs_it_up_first(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        await store.insert_key(KEY)
+
+    later = packaged_plus(tmp_path, {"0002_notes.sql": EXTRA_MIGRATION})
+    async with open_sqlite_store(path, migrations_dir=later) as store:
+        assert await store.get_key("key_1") == KEY
+
+    assert backups(path) == ["s.db.bak-0001"]
+    backup = path.with_name("s.db.bak-0001")
+    # The copy is the database as it was: version 1, the key, no new table.
+    assert query(backup, "SELECT version FROM schema_migrations") == [(1,)]
+    assert query(backup, "SELECT id FROM keys") == [("key_1",)]
+    assert query(backup, "SELECT name FROM sqlite_master WHERE name = 'notes'") == []
+    assert query(backup, "PRAGMA journal_mode") == [("delete",)]
+    # The live database has moved on.
+    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+    assert query(path, "SELECT id, note FROM keys") == [("key_1", "")]
+
+    async with open_sqlite_store(path, migrations_dir=later):
+        pass
+    assert backups(path) == ["s.db.bak-0001"]
+
+
+async def test_a_new_database_gets_no_backup(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    later = packaged_plus(tmp_path, {"0002_notes.sql": EXTRA_MIGRATION})
+    async with open_sqlite_store(path, migrations_dir=later):
+        pass
+    assert backups(path) == []
+    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+
+
+async def test_a_failing_migration_is_rolled_back_and_stays_pending(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        await store.insert_key(KEY)
+    broken = packaged_plus(
+        tmp_path,
+        {"0002_broken.sql": "CREATE TABLE half (id INTEGER);\nTHIS IS NOT SQL;\n"},
+    )
+    with pytest.raises(StoreError, match=r"0002_broken\.sql"):
+        async with open_sqlite_store(path, migrations_dir=broken):
+            pass
+    assert query(path, "SELECT version FROM schema_migrations") == [(1,)]
+    assert query(path, "SELECT name FROM sqlite_master WHERE name = 'half'") == []
+    assert query(path, "SELECT id FROM keys") == [("key_1",)]
+
+
+async def test_a_database_from_a_newer_llmgw_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    later = packaged_plus(tmp_path, {"0002_notes.sql": EXTRA_MIGRATION})
+    async with open_sqlite_store(path, migrations_dir=later):
+        pass
+    with pytest.raises(StoreError, match="newer llmgw"):
+        async with open_sqlite_store(path):
+            pass
+
+
+@pytest.mark.parametrize("name", ["2_short.sql", "0002-dash.sql", "00002_long.sql"])
+async def test_a_badly_named_migration_file_is_refused(tmp_path: Path, name: str) -> None:
+    folder = packaged_plus(tmp_path, {name: "SELECT 1;"})
+    with pytest.raises(StoreError, match=r"0001_what\.sql"):
+        async with open_sqlite_store(tmp_path / "s.db", migrations_dir=folder):
+            pass
+
+
+async def test_two_migration_files_with_one_version_are_refused(tmp_path: Path) -> None:
+    folder = packaged_plus(tmp_path, {"0001_again.sql": "SELECT 1;"})
+    with pytest.raises(StoreError, match="share version 1"):
+        async with open_sqlite_store(tmp_path / "s.db", migrations_dir=folder):
+            pass
+
+
+async def test_files_that_are_not_sql_in_the_migrations_folder_are_ignored(
+    tmp_path: Path,
+) -> None:
+    folder = packaged_plus(tmp_path, {"README.md": "notes"})
+    async with open_sqlite_store(tmp_path / "s.db", migrations_dir=folder) as store:
+        assert await store.list_keys() == []
+
+
+async def test_two_stores_opening_one_new_file_at_once_migrate_it_once(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    opened: list[SqliteStore] = []
+    all_open = trio.Event()
+
+    async def open_and_hold() -> None:
+        async with open_sqlite_store(path) as store:
+            opened.append(store)
+            if len(opened) == 2:
+                all_open.set()
+            await all_open.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(open_and_hold)
+        nursery.start_soon(open_and_hold)
+    assert query(path, "SELECT version FROM schema_migrations") == [(1,)]
+
+
+# --- several connections on one file ----------------------------------------
+
+
+async def test_two_stores_on_one_file_write_at_once_without_locking_errors(
+    tmp_path: Path,
+) -> None:
+    """Like two processes on one file: each has its own connection and limiter."""
+    path = tmp_path / "s.db"
+
+    async def write(store: SqliteStore, side: str) -> None:
+        for i in range(40):
+            await store.insert_usage(
+                [
+                    UsageRow(
+                        request_id=f"{side}-{i}-{j}",
+                        created_at=float(i),
+                        key_id=side,
+                        model="m",
+                        status=200,
+                    )
+                    for j in range(5)
+                ]
+            )
+
+    async with open_sqlite_store(path) as a, open_sqlite_store(path) as b:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write, a, "a")
+            nursery.start_soon(write, b, "b")
+        assert len(await a.list_usage(last=1_000)) == 400
+
+
+async def test_a_lock_held_elsewhere_past_the_busy_timeout_becomes_a_store_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmgw.store import sqlite as sqlite_module
+
+    monkeypatch.setattr(sqlite_module, "LOCKED_FIRST_DELAY_S", 0.001)
+    monkeypatch.setattr(sqlite_module, "LOCKED_ATTEMPTS", 2)
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        store._db.conn.execute("PRAGMA busy_timeout = 1")
+        with contextlib.closing(sqlite3.connect(path, timeout=0.001)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            with pytest.raises(StoreError, match="locked"):
+                await store.put_setting("x", 1)
+            other.execute("ROLLBACK")
+        await store.put_setting("x", 2)
+        assert await store.get_setting("x") == 2
+
+
+async def test_a_lock_released_during_the_retries_lets_the_write_land(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmgw.store import sqlite as sqlite_module
+
+    monkeypatch.setattr(sqlite_module, "LOCKED_FIRST_DELAY_S", 0.05)
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path) as store:
+        store._db.conn.execute("PRAGMA busy_timeout = 1")
+        with contextlib.closing(sqlite3.connect(path, timeout=0.001)) as other:
+            other.execute("BEGIN IMMEDIATE")
+
+            async def release_soon() -> None:
+                await trio.sleep(0.03)
+                other.execute("ROLLBACK")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(release_soon)
+                await store.put_setting("x", 1)
+        assert await store.get_setting("x") == 1
+
+
+# --- open_store --------------------------------------------------------------
+
+
+async def test_open_store_takes_a_file_path(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    async with open_store(str(path)) as store:
+        await store.put_setting("x", 1)
+    assert query(path, "SELECT value FROM settings") == [("1",)]
+
+
+async def test_open_store_takes_a_sqlite_url(tmp_path: Path) -> None:
+    path = tmp_path / "b.db"
+    async with open_store(f"sqlite:///{path}") as store:
+        await store.put_setting("x", 1)
+    assert path.is_file()
+
+
+async def test_open_store_reads_a_sqlite_url_with_three_slashes_as_a_relative_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    async with open_store("sqlite:///rel/c.db"):
+        pass
+    assert (tmp_path / "rel" / "c.db").is_file()
+
+
+@pytest.mark.parametrize(
+    "address", ["postgresql://llmgw@db1,db2/llmgw", "postgres://x/y", "PostgreSQL://x/y"]
+)
+def test_open_store_says_postgresql_is_not_supported_yet(address: str) -> None:
+    with pytest.raises(ValueError, match="PostgreSQL stores are not supported yet"):
+        open_store(address)
+
+
+@pytest.mark.parametrize("address", ["mysql://x/y", "sqlite://relative.db", "sqlite:x.db"])
+def test_open_store_refuses_other_schemes(address: str) -> None:
+    with pytest.raises(ValueError, match="not supported"):
+        open_store(address)
+
+
+@pytest.mark.parametrize("address", ["", "  ", "sqlite:///"])
+def test_open_store_refuses_an_address_with_no_file(address: str) -> None:
+    with pytest.raises(ValueError, match="names no file"):
+        open_store(address)
+
+
+async def test_cancelling_the_block_still_closes_the_store(tmp_path: Path) -> None:
+    kept: list[SqliteStore] = []
+    with trio.move_on_after(0.05):
+        async with open_sqlite_store(tmp_path / "s.db") as store:
+            kept.append(store)
+            await trio.sleep_forever()
+    with pytest.raises(StoreError, match="closed"):
+        await kept[0].list_keys()
+    async with open_sqlite_store(tmp_path / "s.db") as again:
+        assert await again.list_keys() == []
