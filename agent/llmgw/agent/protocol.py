@@ -1,0 +1,357 @@
+"""The wire between an agent and the control plane.
+
+A frame is one websocket binary message holding one msgpack map::
+
+    {"type": "<message class name>", "v": PROTOCOL_VERSION, ...fields}
+
+Messages are frozen attrs classes in one tagged union (:data:`Message`),
+structured and unstructured by one cattrs msgpack converter. Rules
+(``shared/spec/agent.md``, Wire protocol; ``shared/design/ARCHITECTURE.md``):
+
+- unknown fields are ignored (forward compatibility across versions);
+- an unknown ``type`` raises :class:`UnknownMessage` — the receiver answers
+  with :class:`Error` and keeps the link;
+- a frame longer than :data:`MAX_FRAME_BYTES` raises :class:`FrameTooLarge`;
+- anything else malformed raises :class:`BadFrame`.
+
+Commands from the control plane carry a ``correlation_id`` echoed by the
+reply. ``StartShard`` is idempotent by ``shard_id``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Final, TypeAlias
+
+import attrs
+import cattrs
+import msgpack
+from cattrs.preconf.msgpack import make_converter
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "BadFrame",
+    "EngineProfile",
+    "Error",
+    "FrameTooLarge",
+    "Gpu",
+    "Hardware",
+    "Heartbeat",
+    "LogsReply",
+    "LogsRequest",
+    "Message",
+    "ProtocolError",
+    "Register",
+    "Registered",
+    "RunningShard",
+    "ShardState",
+    "ShardStatus",
+    "StartShard",
+    "StopShard",
+    "UnknownMessage",
+    "decode",
+    "encode",
+]
+
+PROTOCOL_VERSION: Final = 1
+#: The largest frame either side accepts, in bytes. A ``LogsReply`` of 2,000
+#: lines fits well inside it.
+MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """A frame could not be turned into a message."""
+
+
+class FrameTooLarge(ProtocolError):
+    """The frame is longer than :data:`MAX_FRAME_BYTES`."""
+
+
+class UnknownMessage(ProtocolError):
+    """The frame's ``type`` names no message this side knows.
+
+    Attributes:
+        type_name: the unknown name, for the :class:`Error` answer.
+    """
+
+    def __init__(self, type_name: str) -> None:
+        super().__init__(f"unknown message type {type_name!r}")
+        self.type_name = type_name
+
+
+class BadFrame(ProtocolError):
+    """The frame is not a msgpack map of a known message with valid fields."""
+
+
+class ShardState(enum.StrEnum):
+    STARTING = "STARTING"
+    READY = "READY"
+    FAILED = "FAILED"
+    STOPPED = "STOPPED"
+
+
+# --- shared shapes -------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Gpu:
+    index: int
+    name: str
+    memory_total_mb: int
+    uuid: str = ""
+    compute_capability: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Hardware:
+    """What discovery found. ``gpus`` is empty on a machine with no NVIDIA driver."""
+
+    cpu_count: int
+    memory_total_mb: int
+    memory_available_mb: int = 0
+    gpus: tuple[Gpu, ...] = ()
+    os_id: str = ""
+    os_version: str = ""
+    arch: str = ""
+    cpu_flags: tuple[str, ...] = ()
+    nvidia_driver: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class EngineProfile:
+    """How to run one replica (agent.md, ``EngineProfile``).
+
+    Attributes:
+        name: the model's catalog name.
+        engine: the adapter name (``llamacpp``, ``sim``).
+        model_path: a local weights file the agent checks and the engine loads.
+        model_sha256: the expected digest of ``model_path``; empty skips the check.
+        served_model_name: the name the engine answers to.
+        context_tokens: ``--ctx-size``.
+        slots: parallel sequences.
+        cpu_cores: engine threads, 0 = the engine decides.
+        args, env: extra engine arguments and environment, already vetted.
+    """
+
+    name: str
+    engine: str
+    served_model_name: str
+    model_path: str = ""
+    model_sha256: str = ""
+    context_tokens: int = 4096
+    slots: int = 4
+    cpu_cores: int = 0
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class RunningShard:
+    """A shard an agent runs, as reported in ``Register`` for adoption."""
+
+    shard_id: str
+    replica_id: str
+    model: str
+    state: ShardState
+    port: int
+    pid: int = 0
+    fingerprint: str = ""
+    gpu_indices: tuple[int, ...] = ()
+
+
+# --- agent → control plane -------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Register:
+    """First message on every link: the agent's whole state."""
+
+    node_id: str
+    address: str
+    agent_version: str
+    hardware: Hardware
+    engines: tuple[str, ...] = ()
+    engines_probed: bool = True
+    running_shards: tuple[RunningShard, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Heartbeat:
+    node_id: str
+    memory_total_mb: int
+    memory_available_mb: int
+    cpu_count: int
+    load_1m: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class ShardStatus:
+    """A shard's state changed. ``last_lines`` carries the engine's last
+    output when it failed; ``reason`` says why in one line."""
+
+    shard_id: str
+    replica_id: str
+    state: ShardState
+    port: int = 0
+    reason: str = ""
+    last_lines: tuple[str, ...] = ()
+    correlation_id: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class LogsReply:
+    correlation_id: str
+    lines: tuple[str, ...]
+    source: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Error:
+    """Either side's answer to a frame it could not act on."""
+
+    message: str
+    correlation_id: str = ""
+
+
+# --- control plane → agent ----------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Registered:
+    """The control plane accepted the ``Register``."""
+
+    node_id: str
+    control_plane: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class StartShard:
+    """Start (or keep running) a shard. Idempotent by ``shard_id``: a shard
+    already STARTING or READY is left alone; a FAILED or STOPPED one starts
+    again. ``api_key`` is the engine key; it goes to the engine's
+    environment only."""
+
+    correlation_id: str
+    shard_id: str
+    replica_id: str
+    profile: EngineProfile
+    port: int
+    api_key: str = ""
+    bind_addr: str = "127.0.0.1"
+    gpu_indices: tuple[int, ...] = ()
+    fingerprint: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class StopShard:
+    correlation_id: str
+    shard_id: str
+
+
+@attrs.frozen(kw_only=True)
+class LogsRequest:
+    """Ask for the last ``lines`` lines of a shard's output (``source`` =
+    shard id) or of the agent itself (``source`` empty)."""
+
+    correlation_id: str
+    source: str = ""
+    lines: int = 200
+
+
+Message: TypeAlias = (
+    Register
+    | Heartbeat
+    | ShardStatus
+    | LogsReply
+    | Error
+    | Registered
+    | StartShard
+    | StopShard
+    | LogsRequest
+)
+
+_TYPES: Final[dict[str, type[Any]]] = {
+    cls.__name__: cls
+    for cls in (
+        Register,
+        Heartbeat,
+        ShardStatus,
+        LogsReply,
+        Error,
+        Registered,
+        StartShard,
+        StopShard,
+        LogsRequest,
+    )
+}
+
+_converter = make_converter(forbid_extra_keys=False)
+
+
+def _strict(kind: type[Any], accepts: tuple[type[Any], ...]) -> None:
+    """Refuse values of the wrong type instead of converting them (cattrs
+    would turn ``["x"]`` into the string ``"['x']"``)."""
+
+    def structure(value: Any, _: Any) -> Any:
+        if isinstance(value, bool) and bool not in accepts:
+            raise TypeError(f"expected {kind.__name__}, got a boolean")
+        if not isinstance(value, accepts):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return kind(value)
+
+    _converter.register_structure_hook(kind, structure)
+
+
+_strict(str, (str,))
+_strict(int, (int,))
+_strict(float, (int, float))
+_strict(bool, (bool,))
+
+
+def encode(message: Message) -> bytes:
+    """One frame for ``message``.
+
+    Raises:
+        FrameTooLarge: the encoded frame exceeds :data:`MAX_FRAME_BYTES`.
+    """
+    doc: dict[str, Any] = _converter.unstructure(message)
+    doc["type"] = type(message).__name__
+    doc["v"] = PROTOCOL_VERSION
+    frame: bytes = msgpack.packb(doc, use_bin_type=True)
+    if len(frame) > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"{type(message).__name__} frame of {len(frame)} bytes")
+    return frame
+
+
+def decode(frame: bytes | str) -> Message:
+    """The message in ``frame``.
+
+    Raises:
+        FrameTooLarge: the frame exceeds :data:`MAX_FRAME_BYTES` (not parsed).
+        UnknownMessage: ``type`` names no known message.
+        BadFrame: not a msgpack map, no ``type``, or fields of the wrong shape.
+    """
+    if isinstance(frame, str):
+        raise BadFrame("text frame; the link carries binary msgpack frames")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        doc = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise BadFrame(f"not msgpack: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise BadFrame("frame is not a map")
+    type_name = doc.pop("type", None)
+    doc.pop("v", None)
+    doc.pop("trace", None)
+    if not isinstance(type_name, str):
+        raise BadFrame("frame has no 'type'")
+    cls = _TYPES.get(type_name)
+    if cls is None:
+        raise UnknownMessage(type_name)
+    try:
+        message: Message = _converter.structure(doc, cls)
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
+        raise BadFrame(f"bad {type_name}: {exc}") from exc
+    return message

@@ -1,0 +1,129 @@
+"""The wire converter: every message round-trips; bad frames are refused cleanly."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.agent import protocol
+from llmgw.agent.protocol import (
+    MAX_FRAME_BYTES,
+    BadFrame,
+    EngineProfile,
+    FrameTooLarge,
+    Gpu,
+    Hardware,
+    LogsReply,
+    Register,
+    RunningShard,
+    ShardState,
+    ShardStatus,
+    StartShard,
+    UnknownMessage,
+    decode,
+    encode,
+)
+
+PROFILE = EngineProfile(
+    name="gemma-3-270m",
+    engine="llamacpp",
+    served_model_name="gemma-3-270m",
+    model_path="/w/gemma.gguf",
+    model_sha256="ab" * 32,
+    args=("--flash-attn", "on"),
+    env={"OMP_NUM_THREADS": "2"},
+)
+
+EXAMPLES: list[protocol.Message] = [
+    Register(
+        node_id="n1",
+        address="10.0.0.5",
+        agent_version="0.1.0",
+        hardware=Hardware(
+            cpu_count=64,
+            memory_total_mb=512_000,
+            gpus=(Gpu(index=0, name="H100", memory_total_mb=81_559, compute_capability="9.0"),),
+            cpu_flags=("avx2", "fma"),
+        ),
+        engines=("llamacpp", "sim"),
+        running_shards=(
+            RunningShard(
+                shard_id="s", replica_id="r", model="m", state=ShardState.READY, port=20001
+            ),
+        ),
+    ),
+    protocol.Heartbeat(
+        node_id="n1", memory_total_mb=1, memory_available_mb=1, cpu_count=2, load_1m=0.5
+    ),
+    ShardStatus(
+        shard_id="s", replica_id="r", state=ShardState.FAILED, reason="exit 1", last_lines=("boom",)
+    ),
+    LogsReply(correlation_id="c", lines=("a", "b")),
+    protocol.Error(message="nope", correlation_id="c"),
+    protocol.Registered(node_id="n1"),
+    StartShard(
+        correlation_id="c", shard_id="s", replica_id="r", profile=PROFILE, port=20000, api_key="k"
+    ),
+    protocol.StopShard(correlation_id="c", shard_id="s"),
+    protocol.LogsRequest(correlation_id="c", source="s", lines=10),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_survives_a_round_trip(message: protocol.Message) -> None:
+    assert decode(encode(message)) == message
+
+
+def test_a_frame_names_its_type_and_protocol_version() -> None:
+    doc = msgpack.unpackb(encode(EXAMPLES[-1]))
+    assert doc["type"] == "LogsRequest"
+    assert doc["v"] == protocol.PROTOCOL_VERSION
+
+
+def test_an_unknown_message_type_is_refused_with_its_name() -> None:
+    with pytest.raises(UnknownMessage) as caught:
+        decode(msgpack.packb({"type": "FabricTest", "v": 9, "a": 1}))
+    assert caught.value.type_name == "FabricTest"
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    doc = msgpack.unpackb(encode(EXAMPLES[-1]))
+    doc["added_in_v2"] = {"x": 1}
+    assert decode(msgpack.packb(doc)) == EXAMPLES[-1]
+
+
+def test_an_oversized_frame_is_refused_before_it_is_parsed() -> None:
+    with pytest.raises(FrameTooLarge):
+        decode(b"\x80" + b"\x00" * MAX_FRAME_BYTES)
+
+
+def test_a_message_too_large_to_send_is_refused_at_encoding() -> None:
+    huge = LogsReply(correlation_id="c", lines=("x" * 1024,) * (MAX_FRAME_BYTES // 1024 + 1))
+    with pytest.raises(FrameTooLarge):
+        encode(huge)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\xc1",  # never used in msgpack
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"no": "type"}),
+        msgpack.packb({"type": "StopShard"}),  # missing fields
+        msgpack.packb({"type": "StopShard", "correlation_id": 1, "shard_id": ["x"]}),
+        "a text frame",
+    ],
+)
+def test_malformed_frames_raise_bad_frame(frame: bytes | str) -> None:
+    with pytest.raises(BadFrame):
+        decode(frame)
+
+
+@given(st.binary(max_size=512))
+def test_no_byte_string_crashes_the_decoder(frame: bytes) -> None:
+    try:
+        decode(frame)
+    except protocol.ProtocolError:
+        pass
