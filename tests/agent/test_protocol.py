@@ -127,3 +127,9 @@ def test_no_byte_string_crashes_the_decoder(frame: bytes) -> None:
         decode(frame)
     except protocol.ProtocolError:
         pass
+
+
+def test_enum_fields_come_back_as_enum_members_not_plain_strings() -> None:
+    status = decode(encode(EXAMPLES[2]))
+    assert isinstance(status, ShardStatus)
+    assert status.state is ShardState.FAILED

@@ -115,8 +115,8 @@ async def serve_link(
 
         try:
             await _one_session(url, token, handlers, mark_heard)
-        except LINK_ERRORS as exc:
-            log.warning("link to %s lost: %s", url, _describe(exc))
+        except* LINK_ERRORS as group:
+            log.warning("link to %s lost: %s", url, _describe(_first(group)))
         if heard:
             backoff_s = BACKOFF_FIRST_S
         delay_s = backoff_s * random.uniform(0.5, 1.0)
@@ -126,6 +126,14 @@ async def serve_link(
             # Register carries the whole state.
             async for _ in handlers.status_events:
                 pass
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf exception of a (possibly nested) group."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _describe(exc: BaseException) -> str:
@@ -140,21 +148,14 @@ async def _one_session(
     url: str, token: str, handlers: AgentHandlers, mark_heard: Callable[[], None]
 ) -> None:
     headers = [(b"authorization", f"Bearer {token}".encode())]
-    with trio.fail_after(CONNECT_TIMEOUT_S):
-        ws_cm = trio_websocket.open_websocket_url(
-            url,
-            extra_headers=headers,
-            max_message_size=protocol.MAX_FRAME_BYTES,
-            connect_timeout=CONNECT_TIMEOUT_S,
-            disconnect_timeout=2,
-        )
-        ws = await ws_cm.__aenter__()
-    try:
-        session = _Session(ws, handlers, mark_heard)
-        await session.run()
-    finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(2):
-            await ws_cm.__aexit__(None, None, None)
+    async with trio_websocket.open_websocket_url(
+        url,
+        extra_headers=headers,
+        max_message_size=protocol.MAX_FRAME_BYTES,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        disconnect_timeout=2,
+    ) as ws:
+        await _Session(ws, handlers, mark_heard).run()
 
 
 class _Session:

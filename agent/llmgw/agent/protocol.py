@@ -307,6 +307,9 @@ _strict(str, (str,))
 _strict(int, (int,))
 _strict(float, (int, float))
 _strict(bool, (bool,))
+# ShardState is a str: give it its own hook, or the str hook above would
+# hand back a plain string.
+_converter.register_structure_hook(ShardState, lambda value, _: ShardState(value))
 
 
 def encode(message: Message) -> bytes:

@@ -1,0 +1,117 @@
+"""The usage writer: one row per request, written in batches off the request path.
+
+Handlers call :meth:`UsageWriter.record` (never blocks, never awaits the
+store). :func:`serve_usage_writer` drains the bounded buffer and writes a
+batch every ``flush_interval_s`` or as soon as ``batch_size`` rows wait.
+When the store fails, the batch is kept and written again later
+(``insert_usage`` skips request ids already stored, so a retry never counts
+twice); rows are dropped only when the buffer is full, and counted in
+``llmgw_usage_dropped_total``. At shutdown the buffer is flushed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Final, NoReturn
+
+import trio
+
+from llmgw import metrics
+from llmgw.store import Store, StoreError, UsageRow
+
+__all__ = ["UsageWriter", "serve_usage_writer"]
+
+log = logging.getLogger("llmgw.accounting.usage")
+
+FLUSH_INTERVAL_S: Final = 1.0
+BATCH_SIZE: Final = 500
+BUFFER_SIZE: Final = 100_000
+#: Longest wait between retries while the store is failing.
+RETRY_MAX_S: Final = 30.0
+#: The final flush at shutdown gets this long.
+SHUTDOWN_FLUSH_S: Final = 10.0
+
+
+class UsageWriter:
+    """A bounded buffer of usage rows waiting for the store."""
+
+    def __init__(self, *, buffer_size: int = BUFFER_SIZE) -> None:
+        self._rows: deque[UsageRow] = deque()
+        self._buffer_size = buffer_size
+        self._wake = trio.Event()
+        self.batch_size = BATCH_SIZE
+
+    def record(self, row: UsageRow) -> bool:
+        """Queue ``row``; ``False`` (and a dropped-row count) when the buffer is full."""
+        if len(self._rows) >= self._buffer_size:
+            metrics.USAGE_DROPPED.inc()
+            log.error(
+                "usage buffer full (%d rows): row %s dropped", self._buffer_size, row.request_id
+            )
+            return False
+        self._rows.append(row)
+        metrics.USAGE_QUEUE_DEPTH.set(len(self._rows))
+        if len(self._rows) >= self.batch_size:
+            self._wake.set()
+        return True
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    async def flush(self, store: Store) -> None:
+        """Write everything queued now, batch by batch.
+
+        Raises:
+            StoreError: the store failed; the failed batch stays queued.
+        """
+        while self._rows:
+            batch = [self._rows[i] for i in range(min(self.batch_size, len(self._rows)))]
+            await store.insert_usage(batch)
+            for _ in batch:
+                self._rows.popleft()
+            metrics.USAGE_QUEUE_DEPTH.set(len(self._rows))
+
+    async def wait_for_work(self, timeout_s: float) -> None:
+        with trio.move_on_after(timeout_s):
+            await self._wake.wait()
+        self._wake = trio.Event()
+
+
+async def serve_usage_writer(
+    writer: UsageWriter,
+    store: Store,
+    *,
+    flush_interval_s: float = FLUSH_INTERVAL_S,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Flush ``writer`` into ``store`` until cancelled, then flush once more.
+
+    Returns:
+        Never returns unless cancelled. On cancellation the remaining rows
+        are written (shielded, at most :data:`SHUTDOWN_FLUSH_S`).
+    """
+    task_status.started()
+    retry_s = flush_interval_s
+    failing = False
+    try:
+        while True:
+            await writer.wait_for_work(retry_s if failing else flush_interval_s)
+            try:
+                await writer.flush(store)
+            except StoreError as exc:
+                retry_s = min(retry_s * 2, RETRY_MAX_S) if failing else flush_interval_s
+                if not failing:
+                    log.error("usage rows not written (%s); %d kept, retrying", exc, len(writer))
+                failing = True
+                metrics.USAGE_WRITE_FAILURES.inc()
+            else:
+                if failing:
+                    log.warning("usage rows written again after the store came back")
+                failing = False
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_FLUSH_S):
+            try:
+                await writer.flush(store)
+            except StoreError as exc:
+                log.error("usage rows lost at shutdown: %d (%s)", len(writer), exc)

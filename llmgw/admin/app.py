@@ -1,0 +1,170 @@
+"""The admin API (quart-trio), on ``127.0.0.1:9090`` only.
+
+Every route needs an admin key (``Authorization: Bearer sk-llmgw-…`` of a
+key made with ``is_admin``, such as the one ``llmgw up`` writes to
+``DATA_DIR/admin-key``). Errors use the OpenAI error shape, like ``/v1``.
+
+Routes (all JSON):
+
+- ``POST /api/v1/keys`` ``{"name"}`` → the new key, its secret shown once;
+- ``GET /api/v1/keys`` → every key (never a secret);
+- ``POST /api/v1/keys/<id>/revoke``;
+- ``GET /api/v1/usage?last=N&key_id=…`` → usage rows, newest first;
+- ``GET /api/v1/status`` → nodes and replicas;
+- ``GET /api/v1/logs?node=…&source=…&lines=N`` → a node's or shard's last lines.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Final
+
+import attrs
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from llmgw.agent import protocol
+from llmgw.auth.keys import KeyAuthenticator, new_key
+from llmgw.control.cluster import Cluster
+from llmgw.gateway.errors import error_body
+from llmgw.store import Store
+
+__all__ = ["make_admin_app"]
+
+#: Deadline for a node to answer a logs request, in seconds.
+LOGS_TIMEOUT_S: Final = 10.0
+MAX_USAGE_ROWS: Final = 10_000
+
+
+def _error(status: int, message: str, code: str | None = None) -> Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return Response(
+        error_body(message, type=kind, code=code), status=status, content_type="application/json"
+    )
+
+
+def make_admin_app(store: Store, cluster: Cluster, authenticator: KeyAuthenticator) -> QuartTrio:
+    """The admin API application over ``store`` and ``cluster``."""
+    app = QuartTrio("llmgw.admin")
+
+    @app.before_request
+    async def require_admin() -> Response | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, secret = header.partition(" ")
+        if scheme.lower() != "bearer" or not secret:
+            return _error(
+                401, "The admin API needs 'Authorization: Bearer <admin key>'.", "invalid_api_key"
+            )
+        key = await authenticator.authenticate(secret.strip())
+        if key is None:
+            return _error(401, "Incorrect API key provided.", "invalid_api_key")
+        if not key.is_admin:
+            return _error(403, "This key is not an admin key.", "forbidden")
+        return None
+
+    @app.post("/api/v1/keys")
+    async def create_key() -> Any:
+        doc = await request.get_json(silent=True)
+        name = doc.get("name") if isinstance(doc, dict) else None
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            return _error(400, "'name' is required: a string of 1 to 200 characters.")
+        secret, record = new_key(name.strip())
+        await store.insert_key(record)
+        return {**_key_doc(record), "key": secret}, 201
+
+    @app.get("/api/v1/keys")
+    async def list_keys() -> Any:
+        return {"data": [_key_doc(k) for k in await store.list_keys()]}
+
+    @app.post("/api/v1/keys/<key_id>/revoke")
+    async def revoke_key(key_id: str) -> Any:
+        if not await store.revoke_key(key_id, time.time()):
+            return _error(404, f"No key {key_id!r}.", "not_found")
+        authenticator.forget(key_id)
+        return {"id": key_id, "revoked": True}
+
+    @app.get("/api/v1/usage")
+    async def usage() -> Any:
+        try:
+            last = int(request.args.get("last", "20"))
+        except ValueError:
+            return _error(400, "'last' must be a whole number.")
+        if not 1 <= last <= MAX_USAGE_ROWS:
+            return _error(400, f"'last' must be between 1 and {MAX_USAGE_ROWS}.")
+        rows = await store.list_usage(last=last, key_id=request.args.get("key_id") or None)
+        return {"data": [attrs.asdict(r) for r in rows]}
+
+    @app.get("/api/v1/status")
+    async def status() -> Any:
+        return {
+            "leader": cluster.is_leader,
+            "nodes": [
+                {
+                    "node_id": n.node_id,
+                    "address": n.address,
+                    "connected": n.connected,
+                    "cpu_count": n.hardware.cpu_count,
+                    "memory_total_mb": n.hardware.memory_total_mb,
+                    "memory_available_mb": n.memory_available_mb,
+                    "gpus": len(n.hardware.gpus),
+                    "agent_version": n.agent_version,
+                }
+                for n in cluster.nodes.values()
+            ],
+            "replicas": [
+                {
+                    "replica_id": s.replica_id,
+                    "model": s.model,
+                    "node_id": s.node_id,
+                    "port": s.port,
+                    "state": str(s.state),
+                    "reason": s.reason,
+                    "failures": s.failures,
+                    "last_lines": list(s.last_lines),
+                }
+                for s in cluster.shards.values()
+            ],
+            "models": sorted(cluster.models),
+        }
+
+    @app.get("/api/v1/logs")
+    async def logs() -> Any:
+        node_id = request.args.get("node", "")
+        source = request.args.get("source", "")
+        try:
+            lines = int(request.args.get("lines", "200"))
+        except ValueError:
+            return _error(400, "'lines' must be a whole number.")
+        if not node_id:
+            if len(cluster.nodes) != 1:
+                return _error(400, "Name the node: 'node' is required when there are several.")
+            node_id = next(iter(cluster.nodes))
+        correlation_id = uuid.uuid4().hex
+        ask = protocol.LogsRequest(correlation_id=correlation_id, source=source, lines=lines)
+        try:
+            with trio.fail_after(LOGS_TIMEOUT_S):
+                reply = await cluster.ask(node_id, ask, correlation_id)
+        except LookupError as exc:
+            return _error(404, str(exc), "node_not_connected")
+        except trio.TooSlowError:
+            return _error(504, f"Node {node_id!r} did not answer within {LOGS_TIMEOUT_S:.0f} s.")
+        if isinstance(reply, protocol.Error):
+            return _error(502, f"Node {node_id!r}: {reply.message}")
+        assert isinstance(reply, protocol.LogsReply)
+        return {"node": node_id, "source": source, "lines": list(reply.lines)}
+
+    return app
+
+
+def _key_doc(record: Any) -> dict[str, Any]:
+    return {
+        "id": record.id,
+        "name": record.name,
+        "prefix": record.prefix,
+        "created_at": record.created_at,
+        "is_admin": record.is_admin,
+        "revoked_at": record.revoked_at,
+        "expires_at": record.expires_at,
+    }

@@ -1,0 +1,91 @@
+"""Client API keys: ``sk-llmgw-…`` secrets, kept only as SHA-256 hashes.
+
+:func:`new_key` makes a secret and its record; :class:`KeyAuthenticator`
+checks a presented secret against the store with a short in-memory cache
+(``auth.cache_ttl``). A key revoked through this control plane is dropped
+from the cache at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from typing import Final
+
+import attrs
+
+from llmgw.store import KeyRecord, Store
+
+__all__ = ["KEY_PREFIX", "KeyAuthenticator", "hash_key", "new_key"]
+
+KEY_PREFIX: Final = "sk-llmgw-"
+#: How long a looked-up key is trusted before the store is asked again.
+CACHE_TTL_S: Final = 5.0
+#: Most cached entries; the cache is cleared when it grows past this.
+CACHE_MAX_ENTRIES: Final = 100_000
+
+
+def hash_key(secret: str) -> str:
+    """Hex SHA-256 of a key's secret (what the store keeps)."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_key(
+    name: str, *, is_admin: bool = False, now: float | None = None
+) -> tuple[str, KeyRecord]:
+    """A fresh ``sk-llmgw-…`` secret and the record to store for it.
+
+    The secret is shown once; only its hash is kept.
+    """
+    secret = KEY_PREFIX + secrets.token_urlsafe(32)
+    record = KeyRecord(
+        id="key_" + secrets.token_hex(8),
+        name=name,
+        key_hash=hash_key(secret),
+        prefix=secret[: len(KEY_PREFIX) + 4],
+        created_at=time.time() if now is None else now,
+        is_admin=is_admin,
+    )
+    return secret, record
+
+
+@attrs.define
+class _Cached:
+    record: KeyRecord | None
+    until: float
+
+
+class KeyAuthenticator:
+    """Turns a bearer secret into a live :class:`KeyRecord`, or ``None``."""
+
+    def __init__(self, store: Store, *, cache_ttl_s: float = CACHE_TTL_S) -> None:
+        self._store = store
+        self._ttl_s = cache_ttl_s
+        self._cache: dict[str, _Cached] = {}
+
+    async def authenticate(self, secret: str) -> KeyRecord | None:
+        """The live key for ``secret``; ``None`` when unknown, revoked or expired."""
+        if not secret.startswith(KEY_PREFIX):
+            return None
+        digest = hash_key(secret)
+        now = time.monotonic()
+        cached = self._cache.get(digest)
+        if cached is None or cached.until < now:
+            record = await self._store.find_key_by_hash(digest)
+            if len(self._cache) >= CACHE_MAX_ENTRIES:
+                self._cache.clear()
+            cached = _Cached(record, now + self._ttl_s)
+            self._cache[digest] = cached
+        record = cached.record
+        if record is None or record.revoked_at is not None:
+            return None
+        if record.expires_at is not None and record.expires_at <= time.time():
+            return None
+        return record
+
+    def forget(self, key_id: str) -> None:
+        """Drop a key from the cache (after a revoke on this control plane)."""
+        for digest, cached in list(self._cache.items()):
+            if cached.record is not None and cached.record.id == key_id:
+                del self._cache[digest]

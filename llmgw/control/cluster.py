@@ -1,0 +1,262 @@
+"""What the control plane knows of its nodes and shards, in memory.
+
+The agent hub writes it (registrations, heartbeats, shard status); the
+reconciler reads it and decides; the router reads the ready endpoints from
+it. Everything here runs on the trio thread, so plain dicts suffice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import attrs
+import trio
+
+from llmgw.agent import protocol
+from llmgw.agent.protocol import ShardState
+from llmgw.store import ModelRecord
+
+__all__ = ["Cluster", "Endpoint", "NodeInfo", "ShardInfo", "engine_key"]
+
+log = logging.getLogger("llmgw.control")
+
+#: How long a node may stay silent before it is counted lost, in seconds.
+NODE_LOST_AFTER_S: Final = 30.0
+
+
+def engine_key(secret: bytes, replica_id: str) -> str:
+    """The engine key of a replica: ``hex(HMAC-SHA256(secret, replica_id))``.
+
+    Any control plane holding the cluster secret derives the same key, so
+    keys never travel between control planes (``shared/spec/security.md``).
+    """
+    return hmac.new(secret, replica_id.encode(), hashlib.sha256).hexdigest()
+
+
+@attrs.define(kw_only=True)
+class Endpoint:
+    """A ready replica the router may send requests to.
+
+    Attributes:
+        replica_id: the replica.
+        model: the catalog model it serves.
+        base_url: ``http://host:port`` of the engine.
+        api_key: the engine key (never the client's).
+        in_flight: requests sent and not yet finished.
+    """
+
+    replica_id: str
+    model: str
+    base_url: str
+    api_key: str
+    in_flight: int = 0
+
+
+@attrs.define(kw_only=True)
+class NodeInfo:
+    node_id: str
+    address: str
+    hardware: protocol.Hardware
+    agent_version: str
+    connected: bool = True
+    last_seen: float = 0.0
+    memory_available_mb: int = 0
+    load_1m: float = 0.0
+    send: Callable[[protocol.Message], Awaitable[None]] | None = None
+
+
+@attrs.define(kw_only=True)
+class ShardInfo:
+    """One shard as the control plane sees it.
+
+    ``wanted`` is False once the reconciler decided to stop it. ``failures``
+    counts consecutive failures for the restart back-off.
+    """
+
+    shard_id: str
+    replica_id: str
+    model: str
+    node_id: str
+    port: int
+    state: ShardState = ShardState.STARTING
+    reason: str = ""
+    last_lines: tuple[str, ...] = ()
+    failures: int = 0
+    restart_at: float = 0.0
+    started_at: float = attrs.field(factory=time.time)
+    ready_at: float | None = None
+    wanted: bool = True
+    fingerprint: str = ""
+
+
+class Cluster:
+    """The live view of nodes, shards and ready endpoints."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeInfo] = {}
+        self.shards: dict[str, ShardInfo] = {}
+        self.endpoints: dict[str, list[Endpoint]] = {}
+        #: The catalog as the reconciler last read it, by model name.
+        self.models: dict[str, ModelRecord] = {}
+        self.secret: bytes = b""
+        self.changed = trio.Event()
+        self.is_leader = False
+        self._pending: dict[str, trio.MemorySendChannel[protocol.Message]] = {}
+
+    # --- notifications --------------------------------------------------------
+
+    def poke(self) -> None:
+        """Wake whoever waits on :attr:`changed` (the reconciler, ``/ready``)."""
+        self.changed.set()
+        self.changed = trio.Event()
+
+    # --- from the hub -----------------------------------------------------------
+
+    def node_registered(
+        self, register: protocol.Register, send: Callable[[protocol.Message], Awaitable[None]]
+    ) -> None:
+        node = NodeInfo(
+            node_id=register.node_id,
+            address=register.address,
+            hardware=register.hardware,
+            agent_version=register.agent_version,
+            last_seen=time.time(),
+            memory_available_mb=register.hardware.memory_available_mb,
+            send=send,
+        )
+        self.nodes[register.node_id] = node
+        for running in register.running_shards:
+            shard = self.shards.get(running.shard_id)
+            if shard is None:
+                continue  # adoption of unknown shards comes with the catalog work
+            self._set_state(shard, running.state, "", ())
+        # Shards the control plane thought were on this node but the agent
+        # no longer runs have stopped.
+        running_ids = {r.shard_id for r in register.running_shards}
+        for shard in self.shards.values():
+            if (
+                shard.node_id == register.node_id
+                and shard.shard_id not in running_ids
+                and shard.state in (ShardState.STARTING, ShardState.READY)
+            ):
+                self._set_state(shard, ShardState.STOPPED, "not running after agent reconnect", ())
+        self.poke()
+
+    def node_disconnected(self, node_id: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.connected = False
+            node.send = None
+        self.poke()
+
+    def heartbeat(self, beat: protocol.Heartbeat) -> None:
+        node = self.nodes.get(beat.node_id)
+        if node is not None:
+            node.last_seen = time.time()
+            node.memory_available_mb = beat.memory_available_mb
+            node.load_1m = beat.load_1m
+
+    def shard_status(self, status: protocol.ShardStatus) -> None:
+        shard = self.shards.get(status.shard_id)
+        if shard is None:
+            log.info("status for unknown shard %s ignored", status.shard_id)
+            return
+        self._set_state(shard, status.state, status.reason, status.last_lines)
+        self.poke()
+
+    def _set_state(
+        self, shard: ShardInfo, state: ShardState, reason: str, last_lines: tuple[str, ...]
+    ) -> None:
+        previous = shard.state
+        shard.state = state
+        if state is ShardState.READY:
+            shard.failures = 0
+            shard.reason = ""
+            if shard.ready_at is None or previous is not ShardState.READY:
+                shard.ready_at = time.time()
+        elif state is ShardState.FAILED:
+            shard.reason = reason
+            shard.last_lines = last_lines
+        self._rebuild_endpoints()
+
+    def _rebuild_endpoints(self) -> None:
+        old = {e.replica_id: e for eps in self.endpoints.values() for e in eps}
+        endpoints: dict[str, list[Endpoint]] = {}
+        for shard in self.shards.values():
+            if shard.state is not ShardState.READY or not shard.wanted:
+                continue
+            node = self.nodes.get(shard.node_id)
+            if node is None:
+                continue
+            ep = old.get(shard.replica_id)
+            base_url = f"http://{_url_host(node.address)}:{shard.port}"
+            if ep is None or ep.base_url != base_url:
+                ep = Endpoint(
+                    replica_id=shard.replica_id,
+                    model=shard.model,
+                    base_url=base_url,
+                    api_key=engine_key(self.secret, shard.replica_id),
+                )
+            endpoints.setdefault(shard.model, []).append(ep)
+        self.endpoints = endpoints
+
+    # --- queries ---------------------------------------------------------------
+
+    def ready_endpoints(self, model: str) -> list[Endpoint]:
+        return self.endpoints.get(model, [])
+
+    def any_ready(self) -> bool:
+        return any(self.endpoints.values())
+
+    def add_shard(self, shard: ShardInfo) -> None:
+        self.shards[shard.shard_id] = shard
+        self._rebuild_endpoints()
+
+    def remove_shard(self, shard_id: str) -> None:
+        self.shards.pop(shard_id, None)
+        self._rebuild_endpoints()
+
+    # --- request/reply over the link --------------------------------------------
+
+    async def ask(
+        self, node_id: str, message: protocol.Message, correlation_id: str
+    ) -> protocol.Message:
+        """Send a command that has a reply and wait for it.
+
+        The caller bounds the wait (``trio.fail_after``).
+
+        Raises:
+            LookupError: the node is not connected.
+        """
+        node = self.nodes.get(node_id)
+        if node is None or node.send is None:
+            raise LookupError(f"node {node_id!r} is not connected")
+        send, receive = trio.open_memory_channel[protocol.Message](1)
+        self._pending[correlation_id] = send
+        try:
+            await node.send(message)
+            return await receive.receive()
+        finally:
+            del self._pending[correlation_id]
+            send.close()
+            receive.close()
+
+    def reply(self, correlation_id: str, message: protocol.Message) -> bool:
+        """Hand a reply to whoever asked; ``False`` if nobody waits for it."""
+        send = self._pending.get(correlation_id)
+        if send is None:
+            return False
+        try:
+            send.send_nowait(message)
+        except trio.WouldBlock:
+            return False
+        return True
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address

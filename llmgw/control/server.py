@@ -1,0 +1,221 @@
+"""The control plane's nursery: gateway, admin API, metrics, agents' hub,
+usage writer and (while leading) the reconciler.
+
+``serve_control_plane`` is shared by ``llmgw server`` and ``llmgw up``. Its
+stop is graceful: when ``stop`` is set the listeners stop taking requests,
+requests in flight get ``grace_s`` to finish, and the usage writer flushes
+(``shared/design/ARCHITECTURE.md``, Concurrency).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from functools import partial
+from typing import Any, Final
+
+import attrs
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from prometheus_client import make_asgi_app
+
+from llmgw import metrics
+from llmgw.accounting.usage import UsageWriter, serve_usage_writer
+from llmgw.admin.app import make_admin_app
+from llmgw.auth.keys import KeyAuthenticator
+from llmgw.gateway.app import Gateway
+from llmgw.store import Store
+
+from .cluster import Cluster
+from .hub import serve_agent_hub
+from .reconciler import PortRange, serve_reconciler
+
+__all__ = ["Addresses", "ServerConfig", "serve_control_plane"]
+
+log = logging.getLogger("llmgw.control")
+
+#: Requests in flight get this long to finish after a stop, in seconds.
+GRACE_S: Final = 10.0
+LEASE_NAME: Final = "leader"
+LEASE_TTL_S: Final = 10.0
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """Where the control plane listens (``host:port``; port 0 = any free one)."""
+
+    listen: str = "127.0.0.1:8080"
+    admin_listen: str = "127.0.0.1:9090"
+    metrics_listen: str = "127.0.0.1:9091"
+    agent_listen: str = "127.0.0.1:7443"
+    engine_ports: PortRange = (20000, 20999)
+    grace_s: float = GRACE_S
+
+
+@attrs.frozen(kw_only=True)
+class Addresses:
+    """Where the control plane really listens, once started."""
+
+    api: str
+    admin: str
+    metrics: str
+    agent_hub: str
+    agent_token: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.api}"
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def _serve_asgi(
+    app: Any,
+    bind: str,
+    stop: trio.Event,
+    grace_s: float,
+    *,
+    task_status: trio.TaskStatus[str],
+) -> None:
+    """Serve ``app`` with hypercorn on ``bind`` until ``stop``; started with
+    the bound ``host:port``. Returns once in-flight requests are done or
+    ``grace_s`` ran out."""
+    config = HypercornConfig()
+    config.bind = [bind]
+    config.graceful_timeout = grace_s
+    config.accesslog = None
+    config.errorlog = logging.getLogger("llmgw.http")
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(
+            partial(hypercorn_serve, app, config, shutdown_trigger=stop.wait)
+        )
+        task_status.started(binds[0].split("://", 1)[-1])
+
+
+def _with_lifespan(app: Any) -> Any:
+    """``app`` plus answers to the ASGI ``lifespan`` scope, which hypercorn
+    sends first (prometheus-client's app does not answer it)."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+async def serve_control_plane(
+    config: ServerConfig,
+    store: Store,
+    cluster: Cluster,
+    stop: trio.Event,
+    *,
+    task_status: trio.TaskStatus[Addresses] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the control plane until ``stop`` is set, then stop gracefully.
+
+    Args:
+        config: listen addresses and the engine port range.
+        store: an open store (migrated).
+        cluster: the live view shared with the agents' hub and the router.
+        stop: set it to stop (signals, tests).
+
+    Returns:
+        Once every listener has closed, in-flight requests have finished (or
+        the grace ran out) and the usage rows are written.
+    """
+    cluster.secret = await store.get_or_create_secret(
+        "engine-keys", lambda: secrets.token_bytes(32)
+    )
+    agent_token = (
+        await store.get_or_create_secret("agent-token", lambda: secrets.token_hex(32).encode())
+    ).decode()
+    authenticator = KeyAuthenticator(store)
+    usage = UsageWriter()
+    gateway = Gateway(authenticator=authenticator, cluster=cluster, usage=usage)
+    admin = make_admin_app(store, cluster, authenticator)
+    metrics_app = _with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
+    holder = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
+
+    async with trio.open_nursery() as services:
+        await services.start(serve_usage_writer, usage, store)
+        hub_host, hub_port = _split(config.agent_listen)
+        bound_hub_port = await services.start(
+            serve_agent_hub, hub_host, hub_port, agent_token, cluster
+        )
+        await services.start(_serve_leadership, store, cluster, holder, config.engine_ports)
+        async with trio.open_nursery() as listeners:
+            api = await listeners.start(_serve_asgi, gateway, config.listen, stop, config.grace_s)
+            admin_address = await listeners.start(
+                _serve_asgi, admin, config.admin_listen, stop, 2.0
+            )
+            metrics_address = await listeners.start(
+                _serve_asgi, metrics_app, config.metrics_listen, stop, 2.0
+            )
+            task_status.started(
+                Addresses(
+                    api=api,
+                    admin=admin_address,
+                    metrics=metrics_address,
+                    agent_hub=f"{hub_host}:{bound_hub_port}",
+                    agent_token=agent_token,
+                )
+            )
+            # The listeners return once `stop` is set and their requests are done.
+        log.info("listeners closed; stopping the control plane")
+        await gateway.aclose()
+        with trio.CancelScope(shield=True):
+            await store.release_lease(LEASE_NAME, holder)
+        services.cancel_scope.cancel()
+
+
+async def _serve_leadership(
+    store: Store,
+    cluster: Cluster,
+    holder: str,
+    engine_ports: PortRange,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Hold the leader lease; while leading, run the reconciler.
+
+    With SQLite there is one control plane and it always leads; the lease
+    row exists anyway so the code path is the same (ha-and-leader.md).
+    """
+    started = False
+    while True:
+        lease = await store.acquire_lease(LEASE_NAME, holder, LEASE_TTL_S, time.time())
+        if lease is None:
+            cluster.is_leader = False
+            if not started:
+                task_status.started()
+                started = True
+            await trio.sleep(LEASE_TTL_S / 3)
+            continue
+        cluster.is_leader = True
+        log.info("leading (lease epoch %d)", lease.epoch)
+        async with trio.open_nursery() as leading:
+            await leading.start(serve_reconciler, store, cluster, engine_ports)
+            if not started:
+                task_status.started()
+                started = True
+            while True:
+                await trio.sleep(LEASE_TTL_S / 3)
+                renewed = await store.acquire_lease(LEASE_NAME, holder, LEASE_TTL_S, time.time())
+                if renewed is None:
+                    log.error("lost the leader lease; stopping leader-only work")
+                    cluster.is_leader = False
+                    leading.cancel_scope.cancel()
+                    break

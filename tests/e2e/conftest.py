@@ -1,0 +1,127 @@
+"""Fixtures that run ``llmgw up`` as a real process, as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 240.0
+
+
+class Up:
+    """A running ``llmgw up`` in its own data directory.
+
+    Attributes:
+        process: the ``llmgw up`` process (its own process group).
+        data_dir: its data directory.
+        output: where its stderr goes (read with :meth:`log`).
+    """
+
+    def __init__(self, data_dir: Path, args: list[str]) -> None:
+        self.data_dir = data_dir
+        self.output = data_dir.parent / f"{data_dir.name}.log"
+        base = random.randrange(30000, 60000, 100)
+        self.engine_ports = (base, base + 99)
+        command = [
+            sys.executable,
+            "-m",
+            "llmgw.cli",
+            "up",
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--agent-listen",
+            "127.0.0.1:0",
+            "--engine-ports",
+            f"{base}-{base + 99}",
+            *args,
+        ]
+        self._log_file = self.output.open("wb")
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.run: dict[str, str] = {}
+
+    def log(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.run['api']}"
+
+    @property
+    def admin_key(self) -> str:
+        return (self.data_dir / "admin-key").read_text().strip()
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"llmgw up exited with {self.process.returncode}:\n{self.log()}"
+                )
+            run_file = self.data_dir / "run.json"
+            if not self.run and run_file.exists():
+                try:
+                    self.run = json.loads(run_file.read_text())
+                except ValueError:
+                    pass
+            if self.run:
+                try:
+                    if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        raise AssertionError(f"llmgw up not ready within {timeout_s} s:\n{self.log()}")
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "llmgw.cli", *args, "--data-dir", str(self.data_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log_file.close()
+
+
+@pytest.fixture
+def start_up(tmp_path: Path) -> Iterator[object]:
+    started: list[Up] = []
+
+    def start(*args: str, name: str = "data") -> Up:
+        up = Up(tmp_path / name, list(args))
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:
+        up.stop()

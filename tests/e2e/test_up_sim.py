@@ -1,0 +1,284 @@
+"""``llmgw up --engine sim``: the whole path, a real process, the official client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+MODEL = "sim-model"
+
+
+def _status(up: Any) -> dict[str, Any]:
+    result = up.cli("ctl", "status", "--json")
+    assert result.returncode == 0, result.stderr
+    doc: dict[str, Any] = json.loads(result.stdout)
+    return doc
+
+
+def _replica(up: Any) -> dict[str, Any]:
+    replicas = _status(up)["replicas"]
+    assert len(replicas) == 1, replicas
+    replica: dict[str, Any] = replicas[0]
+    return replica
+
+
+def _pids_listening_on(port: int) -> list[int]:
+    """Processes whose command line carries ``--port PORT`` (the engine)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        at = argv.index(b"--port") if b"--port" in argv else -1
+        if 0 <= at < len(argv) - 1 and argv[at + 1] == str(port).encode():
+            pids.append(int(entry.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _port_free(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def test_the_openai_client_gets_a_streamed_answer_with_usage_and_a_usage_row_is_written(
+    start_up: Any,
+) -> None:
+    """Through the official client: streamed chat with include_usage, a
+    non-streamed completion, /v1/models; then the rows in `ctl usage`."""
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    up.wait_ready()
+    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    try:
+        assert [m.id for m in client.models.list()] == [MODEL]
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "say something short"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        assert text
+        assert usage is not None
+        assert usage.completion_tokens == 8
+        assert usage.prompt_tokens > 0
+        assert usage.prompt_tokens_details is not None
+        assert usage.prompt_tokens_details.cached_tokens is not None
+
+        # Without include_usage the client gets no usage chunk, but the row
+        # still counts the tokens (the gateway asks the engine for them).
+        quiet = list(
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+            )
+        )
+        assert all(c.usage is None for c in quiet)
+        completion = client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=3)
+        assert completion.usage is not None
+        assert completion.usage.completion_tokens == 3
+    finally:
+        client.close()
+
+    def rows() -> list[dict[str, Any]]:
+        result = up.cli("ctl", "usage", "--last", "10", "--json")
+        assert result.returncode == 0, result.stderr
+        data: list[dict[str, Any]] = json.loads(result.stdout)["data"]
+        return data
+
+    _wait_for(lambda: len(rows()) >= 3, 10, "three usage rows")
+    newest = rows()
+    by_endpoint = {(r["endpoint"], r["stream"], r["completion_tokens"]): r for r in newest}
+    streamed = by_endpoint[("chat", True, 8)]
+    assert streamed["status"] == 200
+    assert streamed["prompt_tokens"] == usage.prompt_tokens
+    assert streamed["model"] == MODEL
+    assert streamed["ttft_ms"] is not None
+    assert streamed["duration_ms"] >= streamed["ttft_ms"]
+    assert by_endpoint[("chat", True, 5)]["prompt_tokens"] > 0
+    assert by_endpoint[("completions", False, 3)]["status"] == 200
+    human = up.cli("ctl", "usage", "--last", "3")
+    assert human.returncode == 0
+    assert MODEL in human.stdout
+
+
+def test_bad_requests_get_openai_error_shapes_and_statuses(start_up: Any) -> None:
+    """401 missing/wrong key, 400 malformed body naming the problem, 404
+    unknown model, 413 too large; each in OpenAI's error shape."""
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    up.wait_ready()
+    url = f"{up.base_url}/v1/chat/completions"
+    good = {"authorization": f"Bearer {up.admin_key}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(timeout=30) as http:
+        cases = [
+            (http.post(url, json=body), 401),
+            (http.post(url, json=body, headers={"authorization": "Bearer sk-llmgw-wrong"}), 401),
+            (http.post(url, content=b"{not json", headers=good), 400),
+            (http.post(url, json={"model": MODEL}, headers=good), 400),
+            (http.post(url, json={**body, "model": "no-such-model"}, headers=good), 404),
+            (http.post(url, content=b"x" * (33 * 1024 * 1024), headers=good), 413),
+        ]
+        for response, status in cases:
+            assert response.status_code == status, response.text
+            error = response.json()["error"]
+            assert set(error) >= {"message", "type", "code"}
+            assert error["message"]
+        assert "JSON" in cases[2][0].json()["error"]["message"]
+        assert cases[3][0].json()["error"]["param"] == "messages"
+    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key="sk-llmgw-nope", max_retries=0)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    finally:
+        client.close()
+
+
+def test_a_key_made_with_keys_create_works_and_is_stored_only_as_a_hash(start_up: Any) -> None:
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    up.wait_ready()
+    made = up.cli("keys", "create", "ci-bot")
+    assert made.returncode == 0, made.stderr
+    secret = made.stdout.strip()
+    assert secret.startswith("sk-llmgw-")
+    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=secret, max_retries=0)
+    try:
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+        assert answer.choices[0].message.content
+    finally:
+        client.close()
+    assert secret.encode() not in (up.data_dir / "llmgw.db").read_bytes()
+    listed = up.cli("keys", "list", "--json")
+    assert "ci-bot" in listed.stdout
+    assert secret not in listed.stdout
+
+
+def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(start_up: Any) -> None:
+    """SIGKILL the engine while a stream is being answered: the replica is
+    reported FAILED with the engine's last lines, restarted with back-off,
+    and READY again — without restarting llmgw."""
+    up = start_up(
+        "--engine",
+        "sim",
+        "--model-name",
+        MODEL,
+        "--engine-arg=--tokens-per-second",
+        "--engine-arg=20",
+    )
+    up.wait_ready()
+    replica = _replica(up)
+    [engine_pid] = _pids_listening_on(replica["port"])
+    outcome: dict[str, Any] = {}
+
+    def long_stream() -> None:
+        client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+        try:
+            for _ in client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "x"}],
+                max_tokens=200,
+                stream=True,
+            ):
+                outcome["chunks"] = outcome.get("chunks", 0) + 1
+        except (openai.APIError, httpx.HTTPError) as exc:
+            outcome["error"] = exc
+        finally:
+            client.close()
+
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    _wait_for(lambda: outcome.get("chunks", 0) >= 3, 20, "the stream to be under way")
+    os.kill(engine_pid, signal.SIGKILL)
+    reader.join(timeout=30)
+    assert not reader.is_alive()
+    _wait_for(lambda: "failed" in up.log().lower(), 20, "the failure to be reported")
+    _wait_for(lambda: _replica(up)["state"] == "READY", 60, "the replica to be READY again")
+    [new_pid] = _pids_listening_on(_replica(up)["port"])
+    assert new_pid != engine_pid
+    assert up.process.poll() is None
+    assert "exit" in up.log() or "signal" in up.log()
+    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    try:
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+        assert answer.choices[0].message.content
+    finally:
+        client.close()
+    logs = up.cli("ctl", "logs", "--source", replica["replica_id"], "-n", "50")
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stdout.strip()
+
+
+def test_sigint_stops_everything_and_frees_every_port_within_ten_seconds(start_up: Any) -> None:
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    up.wait_ready()
+    replica = _replica(up)
+    engine_pids = _pids_listening_on(replica["port"])
+    assert engine_pids
+    addresses = [up.run["api"], up.run["admin"], up.run["metrics"], up.run["agent_hub"]]
+    addresses.append(f"127.0.0.1:{replica['port']}")
+    began = time.monotonic()
+    up.process.send_signal(signal.SIGINT)
+    up.process.wait(timeout=10)
+    _wait_for(
+        lambda: not any(_alive(p) for p in engine_pids) and all(_port_free(a) for a in addresses),
+        max(0.5, 10 - (time.monotonic() - began)),
+        "no engine process and every port free",
+    )
+    assert up.process.returncode == 0, up.log()
+    assert not (up.data_dir / "run.json").exists()
+    assert "stopped" in up.log()
+
+
+def test_a_second_start_reuses_the_store_and_says_where_the_admin_key_is(start_up: Any) -> None:
+    first = start_up("--engine", "sim", "--model-name", MODEL)
+    first.wait_ready()
+    key = first.admin_key
+    assert oct((first.data_dir / "admin-key").stat().st_mode & 0o777) == "0o600"
+    assert key in first.log()
+    first.stop()
+    second = start_up("--engine", "sim", "--model-name", MODEL)
+    second.wait_ready()
+    assert second.admin_key == key
+    assert key not in second.log()
+    assert "admin-key" in second.log()
