@@ -28,6 +28,8 @@ __all__ = [
     "EngineAdapter",
     "ShardLaunch",
     "body_says_ready",
+    "cuda_visible_devices",
+    "engine_env",
 ]
 
 #: Health ``status`` values that mean "not ready yet" (agent.md, Engine supervision).
@@ -104,6 +106,29 @@ class EngineAdapter(Protocol):
     def commands(self, shard: ShardLaunch) -> list[Command]:
         """The processes that run ``shard``; the key is in ``env`` only."""
         ...
+
+
+def cuda_visible_devices(gpu_indices: tuple[int, ...]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for ``gpu_indices``: ``"0,2"``; ``""`` (no card
+    visible) when the tuple is empty."""
+    return ",".join(str(index) for index in gpu_indices)
+
+
+def engine_env(shard: ShardLaunch, key_variable: str) -> dict[str, str]:
+    """The environment a shard's engine process gets on top of the agent's.
+
+    ``shard.env`` (already vetted), then what the agent owns, which wins:
+    ``CUDA_VISIBLE_DEVICES`` from ``gpu_indices`` and, when the shard has a
+    key, ``key_variable`` set to it. A keyless shard gets no key variable at
+    all, because engines treat an empty but present key variable as set.
+    """
+    env = dict(shard.env)
+    env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(shard.gpu_indices)
+    if shard.api_key:
+        env[key_variable] = shard.api_key
+    else:
+        env.pop(key_variable, None)
+    return env
 
 
 def body_says_ready(body: bytes) -> bool:

@@ -1,0 +1,275 @@
+"""llama.cpp: the adapter, and a launcher that runs llama.cpp in-process.
+
+:class:`LlamaCppAdapter` starts either a configured ``llama-server`` binary or,
+when there is none, the bundled launcher ``python -m llmgw.engines.llamacpp``
+with the same flags. The launcher (:func:`main`) builds
+``xllamacpp.CommonParams`` from those flags and runs ``xllamacpp.Server``,
+which is llama.cpp's own C++ HTTP server inside this process, until SIGTERM
+or SIGINT.
+
+The key travels in ``LLAMA_API_KEY`` only, never on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from llmgw.engines.base import Command, ShardLaunch, engine_env
+
+__all__ = [
+    "KEY_ENV",
+    "STOP_TIMEOUT",
+    "LlamaCppAdapter",
+    "common_params",
+    "main",
+    "parse_args",
+]
+
+#: The environment variable llama.cpp (and the launcher) read the key from.
+KEY_ENV = "LLAMA_API_KEY"
+
+#: Seconds an idle server gets to stop before the launcher exits with code 1.
+STOP_TIMEOUT = 10.0
+
+_PREFIX = "llama.cpp launcher:"
+
+
+# -- the adapter --------------------------------------------------------------
+
+
+@attrs.frozen
+class LlamaCppAdapter:
+    """The :class:`~llmgw.engines.base.EngineAdapter` for llama.cpp.
+
+    Args:
+        bin: a ``llama-server`` binary; None runs the bundled launcher with
+            ``python`` (this interpreter by default).
+    """
+
+    bin: str | None = None
+    python: str = sys.executable
+
+    @property
+    def name(self) -> str:
+        return "llamacpp"
+
+    def health_path(self) -> str:
+        return "/health"
+
+    def metrics_path(self) -> str:
+        return "/metrics"
+
+    def commands(self, shard: ShardLaunch) -> list[Command]:
+        """One process: ``[bin, -m, model, --host, …, --port, …, --ctx-size, …,
+        --parallel, …, --metrics, (--threads, cores), *args]``, or the same
+        flags after ``python -m llmgw.engines.llamacpp``.
+
+        ``env`` holds ``LLAMA_API_KEY`` (when the shard has a key) and
+        ``CUDA_VISIBLE_DEVICES`` (``""`` without cards).
+        """
+        flags = [
+            "-m",
+            shard.model_path,
+            "--host",
+            shard.bind_addr,
+            "--port",
+            str(shard.http_port),
+            "--ctx-size",
+            str(shard.context_tokens),
+            "--parallel",
+            str(shard.slots),
+            "--metrics",
+        ]
+        if shard.cpu_cores > 0:
+            flags += ["--threads", str(shard.cpu_cores)]
+        flags += shard.args
+        env = engine_env(shard, KEY_ENV)
+        if self.bin:
+            return [Command(name="llama-server", path=self.bin, args=tuple(flags), env=env)]
+        args = ("-m", "llmgw.engines.llamacpp", *flags)
+        return [Command(name="llama-server", path=self.python, args=args, env=env)]
+
+
+# -- the launcher --------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse's signature is NoReturn
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{_PREFIX} {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m llmgw.engines.llamacpp",
+        description="Run llama.cpp's HTTP server in this process (xllamacpp) with a "
+        f"subset of llama-server's flags. The key comes from {KEY_ENV}.",
+        allow_abbrev=False,  # llama-server takes no abbreviations either
+    )
+    add = parser.add_argument
+    add("-m", "--model", required=True, metavar="FILE", help="the GGUF file")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8080)
+    add("-c", "--ctx-size", type=int, default=4096, metavar="N", help="context, all slots")
+    add("-np", "--parallel", type=int, default=1, metavar="N", help="slots")
+    add("-t", "--threads", type=int, default=0, metavar="N", help="0: llama.cpp decides")
+    add("-tb", "--threads-batch", type=int, default=0, metavar="N", help="0: as --threads")
+    add("--threads-http", type=int, default=0, metavar="N")
+    add("-b", "--batch-size", type=int, default=0, metavar="N", help="0: llama.cpp's default")
+    add("-ub", "--ubatch-size", type=int, default=0, metavar="N", help="0: llama.cpp's default")
+    add("--metrics", action="store_true", help="serve /metrics")
+    add("--chat-template", default="", metavar="NAME")
+    add("--jinja", dest="jinja", action="store_true", default=None)
+    add("--no-jinja", dest="jinja", action="store_false")
+    add("-cram", "--cache-ram", type=int, default=None, metavar="MIB")
+    add("--embedding", "--embeddings", dest="embedding", action="store_true")
+    add("-ngl", "--gpu-layers", "--n-gpu-layers", type=int, default=None, metavar="N")
+    add("--no-webui", action="store_true")
+    add("--no-warmup", action="store_true")
+    add("-lv", "--verbosity", "--log-verbosity", type=int, default=None, metavar="N")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the launcher's llama-server flags.
+
+    Exits with code 2 and a message naming the flag on an unknown or bad flag.
+    """
+    parser = _parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(
+            f"unsupported flag(s) {' '.join(unknown)}: the bundled launcher understands only "
+            "the llama-server flags in --help; configure a llama-server binary for others"
+        )
+    return ns
+
+
+def common_params(ns: argparse.Namespace, api_key: str) -> Any:
+    """``xllamacpp.CommonParams`` for parsed flags and a key (``""``: keyless).
+
+    Raises:
+        ImportError: xllamacpp is not installed.
+    """
+    import xllamacpp
+
+    params = xllamacpp.CommonParams()
+    params.model.path = ns.model
+    params.hostnames = [ns.host]
+    params.port = ns.port
+    params.n_ctx = ns.ctx_size
+    params.n_parallel = ns.parallel
+    params.endpoint_metrics = ns.metrics
+    if api_key:
+        params.api_keys = [api_key]
+    if ns.threads > 0:
+        params.cpuparams.n_threads = ns.threads
+        params.cpuparams_batch.n_threads = ns.threads
+    if ns.threads_batch > 0:
+        params.cpuparams_batch.n_threads = ns.threads_batch
+    if ns.threads_http > 0:
+        params.n_threads_http = ns.threads_http
+    if ns.batch_size > 0:
+        params.n_batch = ns.batch_size
+    if ns.ubatch_size > 0:
+        params.n_ubatch = ns.ubatch_size
+    if ns.chat_template:
+        params.chat_template = ns.chat_template
+    if ns.jinja is not None:
+        params.use_jinja = ns.jinja
+    if ns.cache_ram is not None:
+        params.cache_ram_mib = ns.cache_ram
+    if ns.embedding:
+        params.embedding = True
+    if ns.gpu_layers is not None:
+        params.n_gpu_layers = ns.gpu_layers
+    if ns.no_webui:
+        params.ui = False
+    if ns.no_warmup:
+        params.warmup = False
+    if ns.verbosity is not None:
+        params.verbosity = ns.verbosity
+    return params
+
+
+def _say(message: str) -> None:
+    print(f"{_PREFIX} {message}", flush=True)
+
+
+def _requests_in_flight(server: Any) -> int | None:
+    """Requests processing or deferred, from llama.cpp's metrics; None when
+    unknown (the server runs without ``--metrics``)."""
+    try:
+        text: str = server.handle_metrics()
+    except Exception:
+        return None
+    names = ("llamacpp:requests_processing ", "llamacpp:requests_deferred ")
+    values = [float(line.split()[1]) for line in text.splitlines() if line.startswith(names)]
+    return int(sum(values)) if len(values) == len(names) else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run llama.cpp's server until SIGTERM or SIGINT.
+
+    Prints progress lines to stdout (``… listening on http://H:P`` once the
+    model is loaded). After a signal an idle server is stopped in order
+    (``~Server``) and 0 returned; with requests in flight, or when that
+    takes over :data:`STOP_TIMEOUT`, the process exits at once (codes 0 and
+    1), which closes the port too. Returns 1 when the model file is missing
+    or the server fails to start; exits 2 on a bad flag. A signal that comes
+    while the model loads is acted on once loading ends (xllamacpp holds the
+    GIL while loading).
+    """
+    ns = parse_args(argv)
+    if not Path(ns.model).is_file():
+        print(f"{_PREFIX} no model file {ns.model}", file=sys.stderr, flush=True)
+        return 1
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    # Block the stop signals before llama.cpp starts its threads (they inherit
+    # the mask), so they stay pending until sigwait takes them below.
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    import xllamacpp
+
+    params = common_params(ns, os.environ.get(KEY_ENV, ""))
+    threads = ns.threads or "auto"
+    _say(
+        f"xllamacpp {xllamacpp.__version__}: loading {ns.model} "
+        f"(ctx {ns.ctx_size}, parallel {ns.parallel}, threads {threads})"
+    )
+    try:
+        server = xllamacpp.Server(params)
+    except Exception as error:
+        print(f"{_PREFIX} the server did not start: {error}", file=sys.stderr, flush=True)
+        return 1
+    _say(f"listening on {server.listening_address}")
+    signum = signal.sigwait(stop_signals)
+    busy = _requests_in_flight(server)
+    if busy != 0:
+        # llama.cpp's shutdown waits for open streams to notice it (up to
+        # sse_ping_interval, 30 s) while holding the GIL; exiting closes the
+        # port at once, and there is nothing to save.
+        what = "unknown requests" if busy is None else f"{busy} request(s)"
+        _say(f"{signal.Signals(signum).name}: {what} in flight; exiting without waiting")
+        os._exit(0)
+    _say(f"{signal.Signals(signum).name}: stopping")
+    # A watchdog that needs no GIL (the destructor holds it): exit code 1.
+    faulthandler.dump_traceback_later(STOP_TIMEOUT, exit=True)
+    # xllamacpp.Server has no stop method: dropping the last reference runs
+    # ~Server, which stops the HTTP listener and joins llama.cpp's threads.
+    del server
+    faulthandler.cancel_dump_traceback_later()
+    _say("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
