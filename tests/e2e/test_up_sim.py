@@ -282,3 +282,161 @@ def test_a_second_start_reuses_the_store_and_says_where_the_admin_key_is(start_u
     assert second.admin_key == key
     assert key not in second.log()
     assert "admin-key" in second.log()
+
+
+def _engine_key(pid: int) -> str:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    [key] = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"LLAMA_API_KEY=")]
+    return key.decode()
+
+
+def test_the_engine_key_is_in_its_environment_and_the_client_key_never_reaches_it(
+    start_up: Any,
+) -> None:
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    up.wait_ready()
+    port = _replica(up)["port"]
+    [pid] = _pids_listening_on(port)
+    key = _engine_key(pid)
+    assert len(key) == 64
+    assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as engine:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        assert engine.post("/v1/chat/completions", json=body).status_code == 401
+        with_client_key = engine.post(
+            "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {up.admin_key}"}
+        )
+        assert with_client_key.status_code == 401
+        assert (
+            engine.post(
+                "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+            ).status_code
+            == 200
+        )
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_the_engine_request(start_up: Any) -> None:
+    up = start_up(
+        "--engine",
+        "sim",
+        "--model-name",
+        MODEL,
+        "--engine-arg=--tokens-per-second",
+        "--engine-arg=20",
+    )
+    up.wait_ready()
+    port = _replica(up)["port"]
+    [pid] = _pids_listening_on(port)
+    engine_key = {"authorization": f"Bearer {_engine_key(pid)}"}
+
+    def running() -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=engine_key, timeout=5).text
+        [line] = [x for x in text.splitlines() if x.startswith("vllm:num_requests_running")]
+        return float(line.split()[-1])
+
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 500,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream(
+            "POST",
+            f"{up.base_url}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {up.admin_key}"},
+        ) as response,
+    ):
+        assert response.status_code == 200
+        chunks = response.iter_bytes()  # kept: dropping it would close the stream
+        for _ in range(3):
+            next(chunks)
+        assert running() == 1
+    _wait_for(lambda: running() == 0, 10, "the engine to drop the request")
+
+    def rows() -> list[dict[str, Any]]:
+        result = up.cli("ctl", "usage", "--json")
+        data: list[dict[str, Any]] = json.loads(result.stdout)["data"]
+        return data
+
+    _wait_for(lambda: bool(rows()), 10, "the usage row")
+    [row] = rows()
+    assert row["status"] == 499
+    assert 0 < row["completion_tokens"] < 500
+
+
+def test_a_request_in_flight_finishes_after_sigint(start_up: Any) -> None:
+    up = start_up(
+        "--engine",
+        "sim",
+        "--model-name",
+        MODEL,
+        "--engine-arg=--tokens-per-second",
+        "--engine-arg=20",
+    )
+    up.wait_ready()
+    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    try:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40, stream=True
+        )
+        chunks = iter(stream)
+        next(chunks)
+        up.process.send_signal(signal.SIGINT)
+        rest = list(chunks)
+    finally:
+        client.close()
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert sum(1 for c in rest if c.choices and c.choices[0].delta.content) >= 38
+    up.process.wait(timeout=15)
+    assert up.process.returncode == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{up.base_url}/health", timeout=2)
+
+
+def test_requests_wait_for_no_one_while_the_engine_loads_they_get_503_with_retry_after(
+    start_up: Any,
+) -> None:
+    up = start_up("--engine", "sim", "--model-name", MODEL, "--engine-arg=--loading-seconds=4")
+    _wait_for(lambda: (up.data_dir / "run.json").exists(), 60, "llmgw to listen")
+    time.sleep(0.5)
+    up.run = json.loads((up.data_dir / "run.json").read_text())
+    assert httpx.get(f"{up.base_url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{up.base_url}/ready", timeout=5).status_code == 503
+    response = httpx.post(
+        f"{up.base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+        headers={"authorization": f"Bearer {up.admin_key}"},
+        timeout=5,
+    )
+    assert response.status_code == 503
+    assert response.headers["retry-after"].isdigit()
+    assert response.json()["error"]["code"] == "model_not_ready"
+    up.wait_ready()
+
+
+def test_prometheus_metrics_count_requests_tokens_and_latency_on_their_own_listener(
+    start_up: Any,
+) -> None:
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    up.wait_ready()
+    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    try:
+        list(
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True
+            )
+        )
+    finally:
+        client.close()
+    text = httpx.get(f"http://{up.run['metrics']}/metrics", timeout=5).text
+    assert f'llmgw_requests_total{{model="{MODEL}",status="200"}} 1.0' in text
+    assert f'llmgw_tokens_total{{direction="completion",model="{MODEL}"}} 4.0' in text
+    assert f'llmgw_ttft_seconds_count{{model="{MODEL}"}} 1.0' in text
+    assert f'llmgw_request_duration_seconds_count{{model="{MODEL}"}} 1.0' in text
+    assert httpx.get(f"{up.base_url}/metrics", timeout=5).status_code == 404
+    agent_log = up.cli("ctl", "logs")
+    assert agent_log.returncode == 0, agent_log.stderr
+    assert "registered" in agent_log.stdout

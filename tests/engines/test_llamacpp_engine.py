@@ -53,6 +53,8 @@ def test_a_configured_llama_server_gets_the_flags_and_the_key_only_in_its_enviro
         "--parallel",
         "4",
         "--metrics",
+        "--alias",
+        "m",
         "--threads",
         "6",
         "--chat-template",
@@ -84,6 +86,8 @@ def test_without_a_binary_the_bundled_launcher_runs_with_the_same_flags() -> Non
         "--parallel",
         "4",
         "--metrics",
+        "--alias",
+        "m",
     )
     assert all(KEY not in arg for arg in command.argv)
 

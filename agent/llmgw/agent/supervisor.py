@@ -358,7 +358,7 @@ class Supervisor:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    env={**os.environ, **command.env},
+                    env={**_inherited_env(), **command.env},
                 )
             except OSError as exc:
                 return f"cannot start {command.path}: {exc}"
@@ -574,6 +574,15 @@ class Supervisor:
 
 
 # --- /proc ------------------------------------------------------------------------
+
+
+#: Engine key variables never passed down from the agent's own environment:
+#: a keyless shard must not inherit some other key.
+_KEY_VARIABLES = frozenset({"LLAMA_API_KEY", "VLLM_API_KEY", "FREETOKEN_API_KEY", "STRATA_API_KEY"})
+
+
+def _inherited_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _KEY_VARIABLES}
 
 
 def _decode(line: bytes) -> str:

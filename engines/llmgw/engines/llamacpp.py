@@ -88,6 +88,11 @@ class LlamaCppAdapter:
             "--parallel",
             str(shard.slots),
             "--metrics",
+            # The name answers carry in `model` and /v1/models lists; without
+            # it llama.cpp shows the GGUF's path. Set here only: a profile's
+            # own --alias is refused.
+            "--alias",
+            shard.served_model_name,
         ]
         if shard.cpu_cores > 0:
             flags += ["--threads", str(shard.cpu_cores)]
@@ -127,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     add("-b", "--batch-size", type=int, default=0, metavar="N", help="0: llama.cpp's default")
     add("-ub", "--ubatch-size", type=int, default=0, metavar="N", help="0: llama.cpp's default")
     add("--metrics", action="store_true", help="serve /metrics")
+    add("-a", "--alias", default="", metavar="NAME", help="the model name answers carry")
     add("--chat-template", default="", metavar="NAME")
     add("--jinja", dest="jinja", action="store_true", default=None)
     add("--no-jinja", dest="jinja", action="store_false")
@@ -169,6 +175,8 @@ def common_params(ns: argparse.Namespace, api_key: str) -> Any:
     params.n_ctx = ns.ctx_size
     params.n_parallel = ns.parallel
     params.endpoint_metrics = ns.metrics
+    if ns.alias:
+        params.model_alias = {ns.alias}
     if api_key:
         params.api_keys = [api_key]
     if ns.threads > 0:
