@@ -52,9 +52,19 @@ class Endpoint:
 
     replica_id: str
     model: str
-    base_url: str
+    host: str
+    port: int
     api_key: str
     in_flight: int = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def authorization(self) -> bytes:
+        """The ``Authorization`` header value for this engine."""
+        return f"Bearer {self.api_key}".encode()
 
 
 @attrs.define(kw_only=True)
@@ -194,12 +204,12 @@ class Cluster:
             if node is None:
                 continue
             ep = old.get(shard.replica_id)
-            base_url = f"http://{_url_host(node.address)}:{shard.port}"
-            if ep is None or ep.base_url != base_url:
+            if ep is None or (ep.host, ep.port) != (node.address, shard.port):
                 ep = Endpoint(
                     replica_id=shard.replica_id,
                     model=shard.model,
-                    base_url=base_url,
+                    host=node.address,
+                    port=shard.port,
                     api_key=engine_key(self.secret, shard.replica_id),
                 )
             endpoints.setdefault(shard.model, []).append(ep)

@@ -22,7 +22,6 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
-import httpx
 import orjson
 import trio
 
@@ -34,6 +33,7 @@ from llmgw.store import KeyRecord, UsageRow
 
 from .errors import ApiError, bad_request, unauthorized
 from .sse import SseRelay, Usage, usage_from
+from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 __all__ = ["MAX_BODY_BYTES", "Gateway"]
 
@@ -84,13 +84,13 @@ class Gateway:
         self._cluster = cluster
         self._usage = usage
         self._max_body_bytes = max_body_bytes
-        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._pools: dict[tuple[str, int], UpstreamPool] = {}
 
     async def aclose(self) -> None:
         """Close the pooled upstream connections."""
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
-            await client.aclose()
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            await pool.aclose()
 
     # --- ASGI entry -------------------------------------------------------------
 
@@ -200,16 +200,12 @@ class Gateway:
             )
         return min(endpoints, key=lambda e: e.in_flight)
 
-    def _client(self, endpoint: Endpoint) -> httpx.AsyncClient:
-        client = self._clients.get(endpoint.base_url)
-        if client is None:
-            client = httpx.AsyncClient(
-                base_url=endpoint.base_url,
-                timeout=httpx.Timeout(UPSTREAM_READ_S, connect=UPSTREAM_CONNECT_S),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            )
-            self._clients[endpoint.base_url] = client
-        return client
+    def _pool(self, endpoint: Endpoint) -> UpstreamPool:
+        key = (endpoint.host, endpoint.port)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = UpstreamPool(endpoint.host, endpoint.port)
+        return pool
 
     async def _forward(
         self,
@@ -234,13 +230,13 @@ class Gateway:
                 # it from a client that did not ask.
                 doc["stream_options"] = {**(options or {}), "include_usage": True}
                 body = orjson.dumps(doc)
-        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        headers = {
-            "authorization": f"Bearer {endpoint.api_key}",
-            "content-type": "application/json",
-            "x-request-id": request_id,
-        }
-        client = self._client(endpoint)
+        path = b"/v1/chat/completions" if kind == "chat" else b"/v1/completions"
+        headers = [
+            (b"authorization", endpoint.authorization),
+            (b"content-type", b"application/json"),
+            (b"x-request-id", request_id.encode()),
+        ]
+        pool = self._pool(endpoint)
         endpoint.in_flight += 1
         outcome = _Outcome()
         try:
@@ -248,7 +244,7 @@ class Gateway:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_cancel_on_disconnect, receive, watch)
                     await _attempt(
-                        client,
+                        pool,
                         path,
                         body,
                         headers,
@@ -344,14 +340,14 @@ class _Outcome:
         self.finished = False
         self.usage: Usage | None = None
         self.ttft_s: float | None = None
-        self.connect_error: httpx.HTTPError | None = None
+        self.connect_error: UpstreamError | None = None
 
 
 async def _attempt(
-    client: httpx.AsyncClient,
-    path: str,
+    pool: UpstreamPool,
+    path: bytes,
     body: bytes,
-    headers: dict[str, str],
+    headers: list[tuple[bytes, bytes]],
     send: Send,
     stream: bool,
     pass_usage: bool,
@@ -361,45 +357,42 @@ async def _attempt(
     outcome: _Outcome,
 ) -> None:
     try:
-        request = client.build_request("POST", path, content=body, headers=headers)
-        response = await client.send(request, stream=True)
-    except httpx.HTTPError as exc:
-        log.warning("replica %s did not answer: %r", endpoint.replica_id, exc)
+        response = await pool.request(b"POST", path, headers, body)
+    except UpstreamError as exc:
+        log.warning("replica %s did not answer: %s", endpoint.replica_id, exc)
         outcome.connect_error = exc
         return
-    try:
-        outcome.status = response.status_code
-        content_type = (
-            b"content-type",
-            response.headers.get("content-type", "application/json").encode(),
-        )
-        extra = [
-            (b"x-request-id", request_id.encode()),
-            (b"x-llmgw-replica", endpoint.replica_id.encode()),
-        ]
-        if stream and response.status_code == 200:
-            await _relay_stream(
-                response, send, [content_type, *extra], pass_usage, started, outcome
+    async with response:
+        try:
+            outcome.status = response.status
+            content_type = (
+                b"content-type",
+                response.header(b"content-type") or b"application/json",
             )
-        else:
-            data = await response.aread()
-            if response.status_code == 200:
-                try:
-                    outcome.usage = usage_from(orjson.loads(data))
-                except orjson.JSONDecodeError:
-                    outcome.usage = None
-            outcome.finished = True
-            await _answer(send, response.status_code, data, extra, content_type=content_type)
-    except httpx.HTTPError as exc:
-        log.warning("answer from replica %s broke off: %r", endpoint.replica_id, exc)
-        outcome.status = 502
-    finally:
-        with trio.CancelScope(shield=True):
-            await response.aclose()
+            extra = [
+                (b"x-request-id", request_id.encode()),
+                (b"x-llmgw-replica", endpoint.replica_id.encode()),
+            ]
+            if stream and response.status == 200:
+                await _relay_stream(
+                    response, send, [content_type, *extra], pass_usage, started, outcome
+                )
+            else:
+                data = await response.read()
+                if response.status == 200:
+                    try:
+                        outcome.usage = usage_from(orjson.loads(data))
+                    except orjson.JSONDecodeError:
+                        outcome.usage = None
+                outcome.finished = True
+                await _answer(send, response.status, data, extra, content_type=content_type)
+        except UpstreamError as exc:
+            log.warning("answer from replica %s broke off: %s", endpoint.replica_id, exc)
+            outcome.status = 502
 
 
 async def _relay_stream(
-    response: httpx.Response,
+    response: UpstreamResponse,
     send: Send,
     headers: list[tuple[bytes, bytes]],
     pass_usage: bool,
@@ -415,7 +408,7 @@ async def _relay_stream(
         }
     )
     try:
-        async for chunk in response.aiter_raw():
+        while chunk := await response.receive():
             out = relay.feed(chunk)
             if out:
                 if outcome.ttft_s is None and relay.content_chunks:
