@@ -353,6 +353,97 @@ def engine_llamacpp(ctx: click.Context) -> None:
     sys.exit(llamacpp.main(list(ctx.args)))
 
 
+# --- benchmarks -----------------------------------------------------------------------
+
+
+@cli.group()
+def bench() -> None:
+    """Benchmarks: what the gateway adds, and load against any OpenAI server."""
+
+
+@bench.command("overhead")
+@click.option(
+    "--rates",
+    default=",".join(f"{r:g}" for r in (50, 100, 200, 300, 400, 600, 800, 1000)),
+    show_default=True,
+    help="Offered requests/s, rising, comma-separated.",
+)
+@click.option("--modes", default="bare,accounted", show_default=True, help="Gateway modes.")
+@click.option("--duration-s", default=5.0, show_default=True, help="Measured seconds per run.")
+@click.option("--warmup-s", default=1.0, show_default=True, help="Unmeasured seconds per run.")
+@click.option("--no-pin", is_flag=True, help="Do not pin the gateway and the engine to cores.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def bench_overhead(
+    rates: str, modes: str, duration_s: float, warmup_s: float, no_pin: bool, as_json: bool
+) -> None:
+    """Latency and CPU the gateway adds over the sim engine, at rising rates."""
+    import trio
+
+    from llmgw.bench.gateway import MODES
+    from llmgw.bench.overhead import OverheadRow, format_rows, run_overhead
+
+    try:
+        rate_list = [float(r) for r in rates.split(",") if r.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{rates!r} is not a list of numbers", param_hint="--rates"
+        ) from None
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    for mode in mode_list:
+        if mode not in MODES:
+            raise click.BadParameter(
+                f"{mode!r}: choose from {', '.join(MODES)}", param_hint="--modes"
+            )
+
+    def show(row: OverheadRow) -> None:
+        if not as_json:
+            click.echo(format_rows([row]).splitlines()[1], err=True)
+
+    if not as_json:
+        click.echo(format_rows([]), err=True)
+    rows = trio.run(
+        lambda: run_overhead(
+            rates=rate_list,
+            modes=mode_list,
+            duration_s=duration_s,
+            warmup_s=warmup_s,
+            pin=not no_pin,
+            on_row=show,
+        )
+    )
+    if as_json:
+        _print_json({"rows": [row.to_json() for row in rows]})
+
+
+@bench.command("gateway")
+@click.option("--engine-url", required=True, help="The engine, http://HOST:PORT.")
+@click.option("--engine-key", default="", help="The engine's key.")
+@click.option("--model", required=True, help="The model name the engine serves.")
+@click.option(
+    "--mode", type=click.Choice(["bare", "accounted"]), default="accounted", show_default=True
+)
+@click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT.")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+def bench_gateway(
+    engine_url: str, engine_key: str, model: str, mode: str, listen: str, data_dir: Path
+) -> None:
+    """The gateway alone in front of one engine (started by `bench overhead`)."""
+    import trio
+
+    from llmgw.bench.gateway import run_bench_gateway
+
+    trio.run(
+        lambda: run_bench_gateway(
+            engine_url=engine_url,
+            engine_key=engine_key,
+            model=model,
+            listen=listen,
+            mode=mode,
+            data_dir=data_dir,
+        )
+    )
+
+
 def main() -> None:
     """Entry point of the ``llmgw`` command."""
     cli()

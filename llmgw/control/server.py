@@ -27,6 +27,7 @@ from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.admin.app import make_admin_app
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.gateway.app import Gateway
+from llmgw.gateway.server import serve_http1
 from llmgw.store import Store
 
 from .cluster import Cluster
@@ -75,7 +76,7 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-async def _serve_asgi(
+async def serve_asgi(
     app: Any,
     bind: str,
     stop: trio.Event,
@@ -157,12 +158,10 @@ async def serve_control_plane(
         )
         await services.start(_serve_leadership, store, cluster, holder, config.engine_ports)
         async with trio.open_nursery() as listeners:
-            api = await listeners.start(_serve_asgi, gateway, config.listen, stop, config.grace_s)
-            admin_address = await listeners.start(
-                _serve_asgi, admin, config.admin_listen, stop, 2.0
-            )
+            api = await listeners.start(serve_http1, gateway, config.listen, stop, config.grace_s)
+            admin_address = await listeners.start(serve_asgi, admin, config.admin_listen, stop, 2.0)
             metrics_address = await listeners.start(
-                _serve_asgi, metrics_app, config.metrics_listen, stop, 2.0
+                serve_asgi, metrics_app, config.metrics_listen, stop, 2.0
             )
             task_status.started(
                 Addresses(

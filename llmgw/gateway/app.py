@@ -70,6 +70,8 @@ class Gateway:
         cluster: ready endpoints, the catalog's model names, leadership.
         usage: where usage rows go (never awaited on the request path).
         max_body_bytes: request bodies larger than this get 413.
+        accounting: write a usage row per request; off only for the
+            ``bare`` mode of ``llmgw bench overhead`` (a key, no accounting).
     """
 
     def __init__(
@@ -79,8 +81,10 @@ class Gateway:
         cluster: Cluster,
         usage: UsageWriter,
         max_body_bytes: int = MAX_BODY_BYTES,
+        accounting: bool = True,
     ) -> None:
         self._auth = authenticator
+        self._accounting = accounting
         self._cluster = cluster
         self._usage = usage
         self._max_body_bytes = max_body_bytes
@@ -305,7 +309,7 @@ class Gateway:
             metrics.TOKENS.labels(label, "prompt").inc(usage.prompt_tokens)
             metrics.TOKENS.labels(label, "cached").inc(usage.cached_tokens)
             metrics.TOKENS.labels(label, "completion").inc(usage.completion_tokens)
-        if key is None:
+        if key is None or not self._accounting:
             return
         self._usage.record(
             UsageRow(

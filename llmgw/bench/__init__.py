@@ -1,0 +1,1 @@
+"""Benchmarks: load generation, and what the gateway adds over an engine."""

@@ -1,0 +1,104 @@
+"""``llmgw bench gateway``: the gateway alone, in front of one fixed engine.
+
+The overhead benchmark runs this as its own process (pinned to its own core)
+so what it measures is the gateway: the same :class:`~llmgw.gateway.app.Gateway`
+as ``llmgw up``, with a key checked on every request, over a static endpoint
+instead of a reconciler and agents. Modes (``shared/spec/gateway-api.md``,
+Reference figures):
+
+- ``bare``: a key, no accounting (no usage rows);
+- ``accounted``: the key and a usage row per request, written by the
+  batching writer into a SQLite store, as ``llmgw up`` does.
+
+On start it prints one JSON line to stdout: ``{"listen": "HOST:PORT",
+"key": "sk-llmgw-…", "pid": N}``; it runs until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Final
+from urllib.parse import urlsplit
+
+import trio
+
+from llmgw.accounting.usage import UsageWriter, serve_usage_writer
+from llmgw.auth.keys import KeyAuthenticator, new_key
+from llmgw.control.cluster import Cluster, Endpoint
+from llmgw.gateway.app import Gateway
+from llmgw.gateway.server import serve_http1
+from llmgw.store import ModelRecord, open_store
+
+__all__ = ["MODES", "run_bench_gateway"]
+
+MODES: Final = ("bare", "accounted")
+
+
+async def run_bench_gateway(
+    *,
+    engine_url: str,
+    engine_key: str,
+    model: str,
+    listen: str,
+    mode: str,
+    data_dir: Path,
+) -> None:
+    """Serve until a signal; see the module docstring.
+
+    Raises:
+        ValueError: an unknown mode or an engine URL without host and port.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    parts = urlsplit(engine_url)
+    if not parts.hostname or not parts.port:
+        raise ValueError(f"--engine-url {engine_url!r} needs a host and a port")
+    stop = trio.Event()
+    async with open_store(str(data_dir / "llmgw.db")) as store:
+        secret, record = new_key(f"bench-{mode}")
+        await store.insert_key(record)
+        cluster = Cluster()
+        cluster.is_leader = True
+        cluster.models = {model: ModelRecord(name=model, engine="sim", created_at=time.time())}
+        cluster.endpoints = {
+            model: [
+                Endpoint(
+                    replica_id=f"{model}-static",
+                    model=model,
+                    host=parts.hostname,
+                    port=parts.port,
+                    api_key=engine_key,
+                )
+            ]
+        }
+        usage = UsageWriter()
+        gateway = Gateway(
+            authenticator=KeyAuthenticator(store),
+            cluster=cluster,
+            usage=usage,
+            accounting=mode == "accounted",
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, stop)
+            if mode == "accounted":
+                await nursery.start(serve_usage_writer, usage, store)
+            async with trio.open_nursery() as listeners:
+                address = await listeners.start(serve_http1, gateway, listen, stop, 2.0)
+                print(
+                    json.dumps({"listen": address, "key": secret, "pid": os.getpid()}), flush=True
+                )
+            # The listener is closed and its requests are done: the usage
+            # writer flushes as it is cancelled.
+            nursery.cancel_scope.cancel()
+        await gateway.aclose()
+
+
+async def _stop_on_signal(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            stop.set()
+            return
