@@ -36,6 +36,7 @@ __all__ = ["make_admin_app"]
 #: Deadline for a node to answer a logs request, in seconds.
 LOGS_TIMEOUT_S: Final = 10.0
 MAX_USAGE_ROWS: Final = 10_000
+MAX_LOG_LINES: Final = 2_000
 
 
 def _error(status: int, message: str, code: str | None = None) -> Response:
@@ -48,6 +49,14 @@ def _error(status: int, message: str, code: str | None = None) -> Response:
 def make_admin_app(store: Store, cluster: Cluster, authenticator: KeyAuthenticator) -> QuartTrio:
     """The admin API application over ``store`` and ``cluster``."""
     app = QuartTrio("llmgw.admin")
+
+    @app.errorhandler(404)
+    async def not_found(_: Exception) -> Response:
+        return _error(404, f"No route {request.method} {request.path}.", "unknown_url")
+
+    @app.errorhandler(405)
+    async def wrong_method(_: Exception) -> Response:
+        return _error(405, f"{request.path} does not take {request.method}.", "method_not_allowed")
 
     @app.before_request
     async def require_admin() -> Response | None:
@@ -80,8 +89,22 @@ def make_admin_app(store: Store, cluster: Cluster, authenticator: KeyAuthenticat
 
     @app.post("/api/v1/keys/<key_id>/revoke")
     async def revoke_key(key_id: str) -> Any:
-        if not await store.revoke_key(key_id, time.time()):
+        key = await store.get_key(key_id)
+        if key is None:
             return _error(404, f"No key {key_id!r}.", "not_found")
+        if key.revoked_at is not None:
+            return _error(409, f"Key {key_id!r} is already revoked.", "already_revoked")
+        if key.is_admin:
+            live_admins = [
+                k for k in await store.list_keys() if k.is_admin and k.revoked_at is None
+            ]
+            if len(live_admins) <= 1:
+                return _error(
+                    409,
+                    "This is the only live admin key; revoking it would lock the admin API.",
+                    "last_admin_key",
+                )
+        await store.revoke_key(key_id, time.time())
         authenticator.forget(key_id)
         return {"id": key_id, "revoked": True}
 
@@ -136,7 +159,9 @@ def make_admin_app(store: Store, cluster: Cluster, authenticator: KeyAuthenticat
         try:
             lines = int(request.args.get("lines", "200"))
         except ValueError:
-            return _error(400, "'lines' must be a whole number.")
+            lines = 0
+        if not 1 <= lines <= MAX_LOG_LINES:
+            return _error(400, f"'lines' must be a whole number from 1 to {MAX_LOG_LINES}.")
         if not node_id:
             if len(cluster.nodes) != 1:
                 return _error(400, "Name the node: 'node' is required when there are several.")
@@ -151,7 +176,7 @@ def make_admin_app(store: Store, cluster: Cluster, authenticator: KeyAuthenticat
         except trio.TooSlowError:
             return _error(504, f"Node {node_id!r} did not answer within {LOGS_TIMEOUT_S:.0f} s.")
         if isinstance(reply, protocol.Error):
-            return _error(502, f"Node {node_id!r}: {reply.message}")
+            return _error(404, f"Node {node_id!r}: {reply.message}", "not_found")
         assert isinstance(reply, protocol.LogsReply)
         return {"node": node_id, "source": source, "lines": list(reply.lines)}
 

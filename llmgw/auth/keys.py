@@ -17,7 +17,7 @@ import attrs
 
 from llmgw.store import KeyRecord, Store
 
-__all__ = ["KEY_PREFIX", "KeyAuthenticator", "hash_key", "new_key"]
+__all__ = ["KEY_PREFIX", "KeyAuthenticator", "KeyRefused", "hash_key", "new_key"]
 
 KEY_PREFIX: Final = "sk-llmgw-"
 #: How long a looked-up key is trusted before the store is asked again.
@@ -50,6 +50,10 @@ def new_key(
     return secret, record
 
 
+class KeyRefused(Exception):
+    """A presented key is not accepted; the message says why, for the caller."""
+
+
 @attrs.define
 class _Cached:
     record: KeyRecord | None
@@ -66,6 +70,27 @@ class KeyAuthenticator:
 
     async def authenticate(self, secret: str) -> KeyRecord | None:
         """The live key for ``secret``; ``None`` when unknown, revoked or expired."""
+        try:
+            return await self.check(secret)
+        except KeyRefused:
+            return None
+
+    async def check(self, secret: str) -> KeyRecord:
+        """The live key for ``secret``.
+
+        Raises:
+            KeyRefused: unknown, revoked or expired, with a message saying which.
+        """
+        record = await self._lookup(secret)
+        if record is None:
+            raise KeyRefused("Incorrect API key provided.")
+        if record.revoked_at is not None:
+            raise KeyRefused("This API key has been revoked.")
+        if record.expires_at is not None and record.expires_at <= time.time():
+            raise KeyRefused("This API key has expired.")
+        return record
+
+    async def _lookup(self, secret: str) -> KeyRecord | None:
         if not secret.startswith(KEY_PREFIX):
             return None
         digest = hash_key(secret)
@@ -77,12 +102,7 @@ class KeyAuthenticator:
                 self._cache.clear()
             cached = _Cached(record, now + self._ttl_s)
             self._cache[digest] = cached
-        record = cached.record
-        if record is None or record.revoked_at is not None:
-            return None
-        if record.expires_at is not None and record.expires_at <= time.time():
-            return None
-        return record
+        return cached.record
 
     def forget(self, key_id: str) -> None:
         """Drop a key from the cache (after a revoke on this control plane)."""

@@ -39,6 +39,14 @@ def _data_dir_option() -> Callable[[F], F]:
     )
 
 
+def _check_address(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise click.BadParameter(
+            f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:8080)", param_hint=name
+        )
+
+
 def _parse_range(value: str) -> tuple[int, int]:
     low, _, high = value.partition("-")
     try:
@@ -130,7 +138,15 @@ def up(
     import trio
 
     from llmgw.agent.weights import WeightsMismatch
-    from llmgw.control.up import UpOptions, run_up
+    from llmgw.control.up import UpError, UpOptions, run_up
+
+    for name, value in (
+        ("--listen", listen),
+        ("--admin-listen", admin_listen),
+        ("--metrics-listen", metrics_listen),
+        ("--agent-listen", agent_listen),
+    ):
+        _check_address(name, value)
 
     options = UpOptions(
         data_dir=data_dir,
@@ -149,12 +165,21 @@ def up(
     )
     try:
         trio.run(run_up, options)
-    except (WeightsMismatch, FileNotFoundError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from exc
-    except OSError as exc:
+    except* (WeightsMismatch, FileNotFoundError, ValueError, UpError) as group:
+        raise click.ClickException(str(_leaf(group))) from None
+    except* OSError as group:
         raise click.ClickException(
-            f"{exc} (is another llmgw already running? see --listen)"
-        ) from exc
+            f"cannot listen: {_leaf(group)} (is another llmgw running on these ports? see "
+            "--listen and the other --…-listen options)"
+        ) from None
+
+
+def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception inside (possibly nested) exception groups."""
+    leaf: BaseException = group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
 
 
 # --- admin API clients -----------------------------------------------------------
@@ -309,7 +334,14 @@ def ctl_status(data_dir: Path, as_json: bool) -> None:
 @ctl.command("logs")
 @click.argument("node", required=False, default="")
 @click.option("--source", default="", help="A shard (replica) id; the agent's own log when empty.")
-@click.option("-n", "lines", default=200, show_default=True, help="How many lines.")
+@click.option(
+    "-n",
+    "lines",
+    default=200,
+    show_default=True,
+    type=click.IntRange(1, 2000),
+    help="How many lines.",
+)
 @_data_dir_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def ctl_logs(node: str, source: str, lines: int, data_dir: Path, as_json: bool) -> None:
@@ -359,6 +391,15 @@ def engine_llamacpp(ctx: click.Context) -> None:
 @cli.group()
 def bench() -> None:
     """Benchmarks: what the gateway adds, and load against any OpenAI server."""
+
+
+def _add_load_command() -> None:
+    from llmgw.bench.load import load_command
+
+    bench.add_command(load_command, "load")
+
+
+_add_load_command()
 
 
 @bench.command("overhead")

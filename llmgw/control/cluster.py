@@ -190,7 +190,8 @@ class Cluster:
             if shard.ready_at is None or previous is not ShardState.READY:
                 shard.ready_at = time.time()
         elif state is ShardState.FAILED:
-            shard.reason = reason
+            last = next((line.strip() for line in reversed(last_lines) if line.strip()), "")
+            shard.reason = f"{reason}; last output: {last}" if last else reason
             shard.last_lines = last_lines
         self._rebuild_endpoints()
 

@@ -14,12 +14,14 @@ so as it goes:
 5. says "ready in N s" once the model answers (``GET /ready`` is 200).
 
 SIGINT or SIGTERM: stop taking requests, let those in flight finish (grace
-10 s), stop the engines, flush the usage rows, exit. A second signal stops
-at once.
+10 s), stop the engines, flush the usage rows, exit. A second signal, 2 s
+or more after the first, stops at once (one Ctrl-C often arrives twice: the
+terminal signals the process group and ``uv run`` forwards it).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -45,7 +47,7 @@ from llmgw.store import ModelRecord, Store, open_store
 from .cluster import Cluster
 from .server import Addresses, ServerConfig, serve_control_plane
 
-__all__ = ["UpOptions", "run_up"]
+__all__ = ["UpError", "UpOptions", "run_up"]
 
 log = logging.getLogger("llmgw.up")
 
@@ -94,15 +96,20 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
     started = trio.current_time()
     data_dir = options.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
-    model = await _model_record(options, data_dir, say)
+    with _DataDirLock(data_dir):
+        model = await _model_record(options, data_dir, say)
+        await _run_locked(options, data_dir, model, started, say)
+
+
+async def _run_locked(
+    options: UpOptions, data_dir: Path, model: ModelRecord, started: float, say: Say
+) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as root:
         root.start_soon(_serve_signals, stop, root.cancel_scope, say, options.grace_s)
         db_path = data_dir / "llmgw.db"
         async with open_store(str(db_path)) as store:
             say(f"store ready: {db_path}")
-            await store.put_model(model)
-            await _ensure_admin_key(store, data_dir, say)
             cluster = Cluster()
             config = ServerConfig(
                 listen=options.listen,
@@ -121,7 +128,11 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
                     cp_done.set()
 
             async with trio.open_nursery() as cp:
+                # Listen first: a start that cannot bind its ports changes nothing.
                 addresses: Addresses = await cp.start(control_plane)
+                await _ensure_admin_key(store, data_dir, say)
+                await _set_catalog(store, model, say)
+                cluster.poke()
                 _write_run_file(data_dir, addresses)
                 say(
                     f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
@@ -156,18 +167,67 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
         root.cancel_scope.cancel()
 
 
+class UpError(Exception):
+    """``llmgw up`` cannot start; the message says why and what to do."""
+
+
+class _DataDirLock:
+    """An exclusive lock on ``DATA_DIR/llmgw.lock`` for as long as ``up`` runs,
+    so two ``llmgw up`` never share one store."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self._path = data_dir / "llmgw.lock"
+        self._fd = -1
+
+    def __enter__(self) -> None:
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            holder = ""
+            try:
+                holder = f" (pid {json.loads((self._path.parent / RUN_FILE).read_text())['pid']})"
+            except (OSError, ValueError, KeyError):
+                pass
+            raise UpError(
+                f"another llmgw up is using {self._path.parent}{holder}; stop it, or pass "
+                "another --data-dir"
+            ) from None
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+
+async def _set_catalog(store: Store, model: ModelRecord, say: Say) -> None:
+    """Make the catalog hold exactly the model this start serves: ``up``
+    serves one model, the one it was asked for."""
+    for other in await store.list_models():
+        if other.name != model.name:
+            await store.delete_model(other.name)
+            say(f"model {other.name} from an earlier start removed from the catalog")
+    await store.put_model(model)
+
+
+#: A second signal this soon after the first is the same Ctrl-C delivered
+#: twice (a terminal signals the process group, and ``uv run`` forwards it).
+SAME_SIGNAL_WITHIN_S: Final = 2.0
+
+
 async def _serve_signals(
     stop: trio.Event, hard: trio.CancelScope, say: Say, grace_s: float
 ) -> None:
+    first_at = 0.0
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             if not stop.is_set():
                 say(
                     f"{signal.Signals(signum).name}: no new requests; "
-                    f"finishing those in flight (up to {grace_s:.0f} s)"
+                    f"finishing those in flight (up to {grace_s:.0f} s); signal again to stop now"
                 )
+                first_at = trio.current_time()
                 stop.set()
-            else:
+            elif trio.current_time() - first_at >= SAME_SIGNAL_WITHIN_S:
                 say("second signal: stopping now")
                 hard.cancel()
                 return
@@ -199,11 +259,17 @@ async def _model_record(options: UpOptions, data_dir: Path, say: Say) -> ModelRe
     path = await trio.to_thread.run_sync(assemble_starter_model, weights)
 
     say(f"model checked: {STARTER_MODEL_NAME} sha256 {starter.EXPECTED_SHA256[:16]}… ({path})")
+    args = tuple(options.engine_args)
+    if "--chat-template" not in args:
+        # The starter GGUF carries no chat template; without one llama.cpp
+        # formats chat for another model family and answers start with its
+        # tokens. Gemma's own template is built into llama.cpp.
+        args = ("--chat-template", "gemma", *args)
     return ModelRecord(
         name=options.model_name or STARTER_MODEL_NAME,
         source=str(path),
         sha256=starter.EXPECTED_SHA256,
-        **common,  # type: ignore[arg-type]
+        **{**common, "args": args},  # type: ignore[arg-type]
     )
 
 
@@ -250,6 +316,7 @@ async def _report_progress(
     say: Say,
 ) -> None:
     ready_said = False
+    banner_said = False
     while True:
         changed = cluster.changed
         ready = any(
@@ -257,15 +324,19 @@ async def _report_progress(
         )
         if ready and not ready_said:
             ready_said = True
-            elapsed_s = trio.current_time() - started
-            say(f"ready in {elapsed_s:.1f} s: {model} answers at {addresses.base_url}/v1")
-            say(
-                "try it:\n"
-                f"  curl {addresses.base_url}/v1/chat/completions \\\n"
-                f'    -H "Authorization: Bearer $(cat {shlex.quote(str(key_path))})" \\\n'
-                '    -H "Content-Type: application/json" \\\n'
-                f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\''
-            )
+            if banner_said:
+                say(f"{model} is ready again")
+            else:
+                banner_said = True
+                elapsed_s = trio.current_time() - started
+                say(f"ready in {elapsed_s:.1f} s: {model} answers at {addresses.base_url}/v1")
+                say(
+                    "try it:\n"
+                    f"  curl {addresses.base_url}/v1/chat/completions \\\n"
+                    f'    -H "Authorization: Bearer $(cat {shlex.quote(str(key_path))})" \\\n'
+                    '    -H "Content-Type: application/json" \\\n'
+                    f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\''
+                )
         elif not ready:
             ready_said = False
         await changed.wait()

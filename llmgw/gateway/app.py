@@ -27,7 +27,7 @@ import trio
 
 from llmgw import metrics
 from llmgw.accounting.usage import UsageWriter
-from llmgw.auth.keys import KeyAuthenticator
+from llmgw.auth.keys import KeyAuthenticator, KeyRefused
 from llmgw.control.cluster import Cluster, Endpoint
 from llmgw.store import KeyRecord, UsageRow
 
@@ -55,6 +55,11 @@ UPSTREAM_READ_S: Final = 600.0
 _JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream")
 _NO_CACHE = (b"cache-control", b"no-cache")
+
+_BROKEN_STREAM_EVENT: Final = (
+    b'data: {"error":{"message":"The replica answering broke off mid-answer; retry.",'
+    b'"type":"server_error","code":"upstream_error","param":null}}\n\n'
+)
 
 _COMPLETION_ROUTES: Final = {
     "/v1/chat/completions": "chat",
@@ -109,7 +114,7 @@ class Gateway:
         method: str = scope["method"]
         if path in _COMPLETION_ROUTES:
             if method != "POST":
-                await _answer(send, 405, _error(405, f"{path} takes POST"))
+                await _answer(send, 405, _error(405, f"{path} takes POST"), [(b"allow", b"POST")])
                 return
             await self._completion(scope, receive, send, _COMPLETION_ROUTES[path])
         elif path == "/health":
@@ -125,6 +130,9 @@ class Gateway:
                 send, 200 if leader else 503, b'{"leader":%s}' % (b"true" if leader else b"false")
             )
         elif path == "/v1/models":
+            if method not in ("GET", "HEAD"):
+                await _answer(send, 405, _error(405, f"{path} takes GET"), [(b"allow", b"GET")])
+                return
             await self._models(scope, send)
         else:
             await _answer(send, 404, _error(404, f"no route {method} {path}", code="unknown_url"))
@@ -187,10 +195,10 @@ class Gateway:
         scheme, _, secret = header.decode("latin-1").partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
             raise unauthorized("The Authorization header must be 'Bearer <key>'.")
-        key = await self._auth.authenticate(secret.strip())
-        if key is None:
-            raise unauthorized("Incorrect API key provided.")
-        return key
+        try:
+            return await self._auth.check(secret.strip())
+        except KeyRefused as exc:
+            raise unauthorized(str(exc)) from None
 
     def _pick(self, model: str) -> Endpoint:
         endpoints = self._cluster.ready_endpoints(model)
@@ -388,8 +396,20 @@ async def _attempt(
                         outcome.usage = usage_from(orjson.loads(data))
                     except orjson.JSONDecodeError:
                         outcome.usage = None
+                elif response.status in (401, 403):
+                    # The engine refused the gateway's engine key: not the
+                    # client's fault, and not to be shown as theirs.
+                    log.error("replica %s refused the engine key", endpoint.replica_id)
+                    outcome.status = 502
+                    data = _error(
+                        502, "The replica refused the gateway; retry.", code="upstream_error"
+                    )
+                    content_type = _JSON
+                else:
+                    data = _openai_error(response.status, data)
+                    content_type = _JSON
                 outcome.finished = True
-                await _answer(send, response.status, data, extra, content_type=content_type)
+                await _answer(send, outcome.status, data, extra, content_type=content_type)
         except UpstreamError as exc:
             log.warning("answer from replica %s broke off: %s", endpoint.replica_id, exc)
             outcome.status = 502
@@ -417,9 +437,21 @@ async def _relay_stream(
             if out:
                 if outcome.ttft_s is None and relay.content_chunks:
                     outcome.ttft_s = time.perf_counter() - started
+                if relay.saw_done:
+                    # The answer is complete once [DONE] is on its way: a
+                    # client that closes right after it got everything.
+                    outcome.finished = True
                 await send({"type": "http.response.body", "body": out, "more_body": True})
         outcome.finished = True
         await send({"type": "http.response.body", "body": relay.flush(), "more_body": False})
+    except UpstreamError:
+        # The engine broke off mid-answer. Say so in the stream (the openai
+        # client raises it as an APIError) and end the answer cleanly.
+        if not relay.saw_done:
+            await send(
+                {"type": "http.response.body", "body": _BROKEN_STREAM_EVENT, "more_body": False}
+            )
+        raise
     finally:
         # Counted even when the client left mid-stream: it is charged for
         # what was generated.
@@ -517,6 +549,29 @@ def _parse(body: bytes, kind: str) -> dict[str, Any]:
         ):
             raise bad_request(f"'{field}' must be a positive integer.", param=field)
     return doc
+
+
+def _openai_error(status: int, data: bytes) -> bytes:
+    """An engine's error answer in OpenAI's shape: ``code`` a string or null,
+    ``type`` and ``param`` present, the engine's message kept."""
+    message, kind, code = f"The engine answered HTTP {status}.", None, None
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        doc = None
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(error, dict):
+        if isinstance(error.get("message"), str):
+            message = error["message"]
+        if isinstance(error.get("type"), str):
+            kind = error["type"]
+        if error.get("code") is not None:
+            code = str(error["code"])
+    elif isinstance(error, str):
+        message = error
+    if kind is None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+    return ApiError(status, message, type=kind, code=code).body()
 
 
 def _error(status: int, message: str, *, code: str | None = None) -> bytes:

@@ -43,6 +43,8 @@ READ_SIZE: Final = 65536
 MAX_HEAD_BYTES: Final = 64 * 1024
 #: A new connection must send its request head within this, in seconds.
 FIRST_REQUEST_TIMEOUT_S: Final = 30.0
+#: A request body that stops arriving for this long is given up, in seconds.
+BODY_READ_TIMEOUT_S: Final = 30.0
 #: An idle keep-alive connection is closed after this, in seconds.
 KEEP_ALIVE_TIMEOUT_S: Final = 75.0
 
@@ -163,9 +165,13 @@ class _Connection:
         async def receive() -> Message:
             nonlocal body_done
             if not body_done:
-                try:
-                    event = await self._read_event()
-                except (h11.RemoteProtocolError, trio.BrokenResourceError, OSError):
+                event = None
+                with trio.move_on_after(BODY_READ_TIMEOUT_S):
+                    try:
+                        event = await self._read_event()
+                    except (h11.RemoteProtocolError, trio.BrokenResourceError, OSError):
+                        event = None
+                if event is None:  # broken, malformed, or too slow
                     self.gone = True
                     return {"type": "http.disconnect"}
                 if type(event) is h11.Data:

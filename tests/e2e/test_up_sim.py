@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -161,6 +163,10 @@ def test_bad_requests_get_openai_error_shapes_and_statuses(start_up: Any) -> Non
             error = response.json()["error"]
             assert set(error) >= {"message", "type", "code"}
             assert error["message"]
+        wrong_method = http.post(f"{up.base_url}/v1/models", headers=good)
+        assert wrong_method.status_code == 405
+        assert wrong_method.headers["allow"] == "GET"
+        assert http.get(url, headers=good).headers["allow"] == "POST"
         assert "JSON" in cases[2][0].json()["error"]["message"]
         assert cases[3][0].json()["error"]["param"] == "messages"
     client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key="sk-llmgw-nope", max_retries=0)
@@ -190,6 +196,22 @@ def test_a_key_made_with_keys_create_works_and_is_stored_only_as_a_hash(start_up
     listed = up.cli("keys", "list", "--json")
     assert "ci-bot" in listed.stdout
     assert secret not in listed.stdout
+    keys = {k["name"]: k for k in json.loads(listed.stdout)["data"]}
+    assert up.cli("keys", "revoke", keys["ci-bot"]["id"]).returncode == 0
+    again = up.cli("keys", "revoke", keys["ci-bot"]["id"])
+    assert again.returncode != 0
+    assert "already revoked" in again.stderr
+    only_admin = up.cli("keys", "revoke", keys["admin"]["id"])
+    assert only_admin.returncode != 0
+    assert "only live admin key" in only_admin.stderr
+    refused = httpx.post(
+        f"{up.base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+        headers={"authorization": f"Bearer {secret}"},
+        timeout=10,
+    )
+    assert refused.status_code == 401
+    assert refused.json()["error"]["message"] == "This API key has been revoked."
 
 
 def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(start_up: Any) -> None:
@@ -230,12 +252,17 @@ def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(start_up: A
     os.kill(engine_pid, signal.SIGKILL)
     reader.join(timeout=30)
     assert not reader.is_alive()
+    # The stream ends with an error event the client raises, not a cut connection.
+    assert isinstance(outcome["error"], openai.APIError)
+    assert not isinstance(outcome["error"], openai.APIConnectionError)
+    assert "broke off" in str(outcome["error"])
     _wait_for(lambda: "failed" in up.log().lower(), 20, "the failure to be reported")
     _wait_for(lambda: _replica(up)["state"] == "READY", 60, "the replica to be READY again")
     [new_pid] = _pids_listening_on(_replica(up)["port"])
     assert new_pid != engine_pid
     assert up.process.poll() is None
-    assert "exit" in up.log() or "signal" in up.log()
+    assert "killed by signal 9" in up.log()
+    assert "last output:" in up.log()
     client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
     try:
         answer = client.chat.completions.create(
@@ -247,6 +274,10 @@ def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(start_up: A
     logs = up.cli("ctl", "logs", "--source", replica["replica_id"], "-n", "50")
     assert logs.returncode == 0, logs.stderr
     assert logs.stdout.strip()
+    nosuch = up.cli("ctl", "logs", "--source", "nosuch")
+    assert nosuch.returncode != 0
+    assert "no shard 'nosuch'" in nosuch.stderr
+    assert up.cli("ctl", "logs", "-n", "0").returncode != 0
 
 
 def test_sigint_stops_everything_and_frees_every_port_within_ten_seconds(start_up: Any) -> None:
@@ -384,6 +415,9 @@ def test_a_request_in_flight_finishes_after_sigint(start_up: Any) -> None:
         )
         chunks = iter(stream)
         next(chunks)
+        # A terminal's Ctrl-C reaches llmgw twice under `uv run` (the group's
+        # signal and uv's forwarded copy): still one graceful stop.
+        up.process.send_signal(signal.SIGINT)
         up.process.send_signal(signal.SIGINT)
         rest = list(chunks)
     finally:
@@ -440,3 +474,80 @@ def test_prometheus_metrics_count_requests_tokens_and_latency_on_their_own_liste
     agent_log = up.cli("ctl", "logs")
     assert agent_log.returncode == 0, agent_log.stderr
     assert "registered" in agent_log.stdout
+
+
+def test_a_second_up_on_the_same_data_dir_or_ports_fails_clearly_and_changes_nothing(
+    start_up: Any,
+) -> None:
+    first = start_up("--engine", "sim", "--model-name", MODEL)
+    first.wait_ready()
+    same_dir = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmgw.cli",
+            "up",
+            "--data-dir",
+            str(first.data_dir),
+            "--engine",
+            "sim",
+            "--model-name",
+            "intruder",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--agent-listen",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert same_dir.returncode != 0
+    assert "another llmgw up is using" in same_dir.stderr
+    other_dir = first.data_dir.parent / "other"
+    same_ports = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmgw.cli",
+            "up",
+            "--data-dir",
+            str(other_dir),
+            "--engine",
+            "sim",
+            "--listen",
+            first.run["api"],
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--agent-listen",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert same_ports.returncode != 0
+    assert "cannot listen" in same_ports.stderr
+    assert "Traceback" not in same_ports.stderr
+    assert not (other_dir / "admin-key").exists()
+    status = _status(first)
+    assert status["models"] == [MODEL]
+    assert [r["replica_id"] for r in status["replicas"]] == [f"{MODEL}-0"]
+
+
+def test_up_serves_only_the_model_it_was_asked_for(start_up: Any) -> None:
+    first = start_up("--engine", "sim", "--model-name", "first-model")
+    first.wait_ready()
+    first.stop()
+    second = start_up("--engine", "sim", "--model-name", "second-model")
+    second.wait_ready()
+    assert _status(second)["models"] == ["second-model"]
+    assert "first-model from an earlier start removed" in second.log()

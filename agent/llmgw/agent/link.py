@@ -70,7 +70,8 @@ class AgentHandlers:
         register: builds the ``Register`` (whole state) for a new session.
         heartbeat: builds the next ``Heartbeat``.
         start_shard, stop_shard: carry out those commands.
-        logs: the last N lines of a source (shard id, or "" for the agent).
+        logs: the last N lines of a source (shard id, or "" for the agent);
+            raises LookupError for a shard it does not know.
         status_events: the supervisor's shard status changes, relayed to the
             control plane while a session is up (dropped while it is down:
             the next ``Register`` carries the whole state).
@@ -211,7 +212,11 @@ class _Session:
             case StopShard():
                 await self._h.stop_shard(message.shard_id)
             case LogsRequest():
-                lines = self._h.logs(message.source, message.lines)
+                try:
+                    lines = self._h.logs(message.source, message.lines)
+                except LookupError as exc:
+                    await self.send(Error(message=str(exc), correlation_id=message.correlation_id))
+                    return
                 await self.send(
                     LogsReply(
                         correlation_id=message.correlation_id,

@@ -94,7 +94,10 @@ async def serve_agent(
         )
 
     def logs(source: str, lines: int) -> list[str]:
+        lines = max(lines, 1)
         if source:
+            if supervisor.state(source) is None:
+                raise LookupError(f"no shard {source!r} on node {node_id}")
             return supervisor.logs(source, lines)
         return list(_AGENT_LOG.lines)[-lines:]
 
