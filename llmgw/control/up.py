@@ -263,8 +263,9 @@ async def _model_record(options: UpOptions, data_dir: Path, say: Say) -> ModelRe
     if "--chat-template" not in args:
         # The starter GGUF carries no chat template; without one llama.cpp
         # formats chat for another model family and answers start with its
-        # tokens. Gemma's own template is built into llama.cpp.
-        args = ("--chat-template", "gemma", *args)
+        # tokens. Gemma's template is built into llama.cpp under that name;
+        # with Jinja on, the name would be taken as a template's text.
+        args = ("--chat-template", "gemma", "--no-jinja", *args)
     return ModelRecord(
         name=options.model_name or STARTER_MODEL_NAME,
         source=str(path),
