@@ -59,10 +59,22 @@ class OverheadRow:
     through: LoadResult
     gateway_cpu_s: float
 
+    #: Seconds of the run whose requests are not counted (its warm-up).
+    warmup_s: float = 0.0
+
     @property
     def cpu_s_per_1000(self) -> float:
-        """Gateway CPU seconds per 1,000 requests answered."""
-        return 1000 * self.gateway_cpu_s / self.through.requests if self.through.requests else 0.0
+        """Gateway CPU seconds per 1,000 requests answered.
+
+        The CPU is read over the whole run, warm-up included, while only the
+        measured window's requests are counted; at a steady open-loop rate
+        the warm-up's share of the CPU is taken out in proportion.
+        """
+        if not self.through.requests:
+            return 0.0
+        duration_s = self.through.duration_s
+        measured_share = duration_s / (duration_s + self.warmup_s) if duration_s > 0 else 1.0
+        return 1000 * self.gateway_cpu_s * measured_share / self.through.requests
 
     @property
     def saturated(self) -> bool:
@@ -243,6 +255,7 @@ async def run_overhead(
                         direct=direct,
                         through=through,
                         gateway_cpu_s=_cpu_s(process.pid) - before,
+                        warmup_s=warmup_s,
                     )
                     rows.append(row)
                     if on_row is not None:

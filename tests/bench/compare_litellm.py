@@ -794,7 +794,7 @@ def render(
     )
     overhead = kept.get(
         KEPT_SECTIONS[1],
-        "_To be filled in from:_\n\n```sh\ncd /work/main && uv run llmgw bench overhead\n```",
+        "_To be filled in from:_\n\n```sh\ncd llmgw && uv run llmgw bench overhead\n```",
     )
     return f"""# Performance
 
@@ -911,7 +911,7 @@ The model entry points `openai/{MODEL}` at the engine's `/v1` with the engine's 
 ## Reproduce
 
 ```sh
-cd /work/main
+cd llmgw
 # this comparison (installs LiteLLM {LITELLM_VERSION} into {args.litellm_venv} on first use)
 uv run python tests/bench/compare_litellm.py --duration-s {args.duration_s:g} \\
     --concurrency {concurrency} --out {args.out}

@@ -5,8 +5,8 @@ Run: ``uv run python tests/bench/overload.py [--duration-s 60] [--concurrency 10
 Starts the sim engine and ``llmgw bench gateway`` (accounted mode) pinned to
 their own cores, reads the gateway's open file descriptors and RSS (from
 /proc) before, drives it far past saturation with
-a closed loop of ``--concurrency`` streams for ``--duration-s``, lets it
-settle, reads them again and prints a JSON report: requests, errors (with
+a closed loop of ``--concurrency`` streams for ``--duration-s``, twice,
+letting it settle and reading them again after each round and prints a JSON report: requests, errors (with
 samples), fds and RSS before/after. Not a pytest test (no ``test_`` prefix);
 loopback only; every step bounded in time.
 """
@@ -112,19 +112,30 @@ async def overload(duration_s: float, concurrency: int) -> dict[str, Any]:
                 )
                 await trio.sleep(1)
                 before = {"fds": _fds(gateway.pid), "rss_mib": _rss_mib(gateway.pid)}
-                result = await run_load(
-                    LoadConfig(
-                        url=url,
-                        api_key=info["key"],
-                        model=MODEL,
-                        concurrency=concurrency,
-                        duration_s=duration_s,
-                        warmup_s=1.0,
-                        request_timeout_s=60,
+                rounds = []
+                # Two rounds: the first fills the upstream pool (up to 512 idle
+                # connections, kept on purpose); a leak shows as growth in the
+                # second.
+                for _ in range(2):
+                    result = await run_load(
+                        LoadConfig(
+                            url=url,
+                            api_key=info["key"],
+                            model=MODEL,
+                            concurrency=concurrency,
+                            duration_s=duration_s,
+                            warmup_s=1.0,
+                            request_timeout_s=60,
+                        )
                     )
-                )
-                await trio.sleep(5)  # in-flight requests end, idle connections stay pooled
-                after = {"fds": _fds(gateway.pid), "rss_mib": _rss_mib(gateway.pid)}
+                    await trio.sleep(5)  # in-flight requests end; idle ones stay pooled
+                    rounds.append(
+                        {
+                            "result": result.to_json(),
+                            "fds": _fds(gateway.pid),
+                            "rss_mib": _rss_mib(gateway.pid),
+                        }
+                    )
                 alive = gateway.returncode is None
                 check = await run_load(
                     LoadConfig(
@@ -143,11 +154,10 @@ async def overload(duration_s: float, concurrency: int) -> dict[str, Any]:
     return {
         "concurrency": concurrency,
         "duration_s": duration_s,
-        "overload": result.to_json(),
+        "rounds": rounds,
         "gateway_alive_after": alive,
         "answers_after": {"requests": check.requests, "errors": check.errors},
         "before": before,
-        "after": after,
     }
 
 
