@@ -16,20 +16,26 @@ Routes (all JSON):
 
 from __future__ import annotations
 
+import csv
+import io
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import attrs
+import orjson
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
 from llmgw.agent import protocol
-from llmgw.auth.keys import KeyAuthenticator, new_key
+from llmgw.auth.keys import KeyAuthenticator
 from llmgw.control.cluster import Cluster
 from llmgw.gateway.errors import error_body
-from llmgw.store import Store
+from llmgw.store import Store, UsageRow
+
+from .keys import KeysService, parse_since
 
 __all__ = ["make_admin_app"]
 
@@ -46,7 +52,9 @@ def _error(status: int, message: str, code: str | None = None) -> Response:
     )
 
 
-def make_admin_app(store: Store, cluster: Cluster, authenticator: KeyAuthenticator) -> QuartTrio:
+def make_admin_app(
+    store: Store, cluster: Cluster, authenticator: KeyAuthenticator, keys_service: KeysService
+) -> QuartTrio:
     """The admin API application over ``store`` and ``cluster``."""
     app = QuartTrio("llmgw.admin")
 
@@ -76,16 +84,106 @@ def make_admin_app(store: Store, cluster: Cluster, authenticator: KeyAuthenticat
     @app.post("/api/v1/keys")
     async def create_key() -> Any:
         doc = await request.get_json(silent=True)
-        name = doc.get("name") if isinstance(doc, dict) else None
+        if not isinstance(doc, dict):
+            return _error(400, "Send a JSON object with 'name' (and 'project', 'expires', 'band').")
+        name = doc.get("name")
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             return _error(400, "'name' is required: a string of 1 to 200 characters.")
-        secret, record = new_key(name.strip())
-        await store.insert_key(record)
-        return {**_key_doc(record), "key": secret}, 201
+        try:
+            made = await keys_service.create(
+                name.strip(),
+                project=doc.get("project"),
+                expires=doc.get("expires"),
+                band=doc.get("band") or "",
+            )
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return made, 201
+
+    @app.post("/api/v1/keys/<key_id>/rotate")
+    async def rotate_key(key_id: str) -> Any:
+        try:
+            return await keys_service.rotate(key_id)
+        except LookupError as exc:
+            return _error(404, str(exc), "not_found")
+        except ValueError as exc:
+            return _error(409, str(exc), "key_revoked")
+
+    @app.post("/api/v1/tree")
+    async def init_tree() -> Any:
+        doc = await request.get_json(silent=True)
+        try:
+            return await keys_service.init_tree(doc)
+        except ValueError as exc:
+            return _error(400, str(exc))
+
+    @app.get("/api/v1/tree")
+    async def list_tree() -> Any:
+        return {"data": await keys_service.tree()}
+
+    @app.put("/api/v1/limits/<scope>/<path:ident>")
+    async def set_limits(scope: str, ident: str) -> Any:
+        doc = await request.get_json(silent=True)
+        try:
+            return await keys_service.set_limits(scope, ident, doc)
+        except LookupError as exc:
+            return _error(404, str(exc), "not_found")
+        except ValueError as exc:
+            return _error(400, str(exc))
+
+    @app.get("/api/v1/usage/summary")
+    async def usage_summary() -> Any:
+        by = request.args.get("by", "key")
+        if by not in ("key", "project", "team", "org", "model"):
+            return _error(400, "'by' is one of key, project, team, org, model.")
+        try:
+            since = parse_since(request.args.get("since", "24h"), time.time())
+        except ValueError as exc:
+            return _error(400, str(exc))
+        rows = await store.usage_summary(by, since)  # type: ignore[arg-type]
+        return {"by": by, "since": since, "data": [attrs.asdict(r) for r in rows]}
+
+    @app.get("/api/v1/usage/export")
+    async def usage_export() -> Any:
+        fmt = request.args.get("format", "jsonl")
+        if fmt not in ("csv", "jsonl"):
+            return _error(400, "'format' is csv or jsonl.")
+        try:
+            now = time.time()
+            since = parse_since(request.args.get("since", "30d"), now)
+            until = parse_since(request.args["until"], now) if request.args.get("until") else None
+        except ValueError as exc:
+            return _error(400, str(exc))
+
+        async def rows() -> AsyncIterator[bytes]:
+            after = ""
+            if fmt == "csv":
+                yield (",".join(USAGE_FIELDS) + "\n").encode()
+            while True:
+                page = await store.export_usage(since, until, after_request_id=after, limit=1000)
+                if not page:
+                    return
+                for row in page:
+                    yield _export_line(row, fmt)
+                after = page[-1].request_id
+
+        content_type = "text/csv" if fmt == "csv" else "application/x-ndjson"
+        return Response(rows(), content_type=content_type)
+
+    @app.get("/api/v1/requests/<request_id>")
+    async def one_request(request_id: str) -> Any:
+        row = await store.get_usage(request_id)
+        if row is None:
+            return _error(
+                404,
+                f"No request {request_id!r} (rows are written within a second or two).",
+                "not_found",
+            )
+        return attrs.asdict(row)
 
     @app.get("/api/v1/keys")
     async def list_keys() -> Any:
-        return {"data": [_key_doc(k) for k in await store.list_keys()]}
+        return {"data": await keys_service.list_keys()}
 
     @app.post("/api/v1/keys/<key_id>/revoke")
     async def revoke_key(key_id: str) -> Any:
@@ -106,6 +204,7 @@ def make_admin_app(store: Store, cluster: Cluster, authenticator: KeyAuthenticat
                 )
         await store.revoke_key(key_id, time.time())
         authenticator.forget(key_id)
+        keys_service.forget_key(key_id)
         return {"id": key_id, "revoked": True}
 
     @app.get("/api/v1/usage")
@@ -181,6 +280,18 @@ def make_admin_app(store: Store, cluster: Cluster, authenticator: KeyAuthenticat
         return {"node": node_id, "source": source, "lines": list(reply.lines)}
 
     return app
+
+
+USAGE_FIELDS: Final = tuple(a.name for a in attrs.fields(UsageRow))
+
+
+def _export_line(row: UsageRow, fmt: str) -> bytes:
+    doc = attrs.asdict(row)
+    if fmt == "jsonl":
+        return orjson.dumps(doc) + b"\n"
+    out = io.StringIO()
+    csv.writer(out).writerow(["" if doc[f] is None else doc[f] for f in USAGE_FIELDS])
+    return out.getvalue().encode()
 
 
 def _key_doc(record: Any) -> dict[str, Any]:

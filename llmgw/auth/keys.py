@@ -15,7 +15,7 @@ from typing import Final
 
 import attrs
 
-from llmgw.store import KeyRecord, Store
+from llmgw.store import KeyRecord, Store, StoreError
 
 __all__ = ["KEY_PREFIX", "KeyAuthenticator", "KeyRefused", "hash_key", "new_key"]
 
@@ -80,6 +80,7 @@ class KeyAuthenticator:
 
         Raises:
             KeyRefused: unknown, revoked or expired, with a message saying which.
+            StoreError: the store failed and the key was never seen before.
         """
         record = await self._lookup(secret)
         if record is None:
@@ -97,7 +98,14 @@ class KeyAuthenticator:
         now = time.monotonic()
         cached = self._cache.get(digest)
         if cached is None or cached.until < now:
-            record = await self._store.find_key_by_hash(digest)
+            try:
+                record = await self._store.find_key_by_hash(digest)
+            except StoreError:
+                if cached is None:
+                    raise
+                # The store is slow or down: a key seen before stays what it
+                # was rather than looking unknown (tenancy-and-keys.md).
+                return cached.record
             if len(self._cache) >= CACHE_MAX_ENTRIES:
                 self._cache.clear()
             cached = _Cached(record, now + self._ttl_s)

@@ -94,8 +94,16 @@ def cli(verbose: bool) -> None:
 )
 @click.option(
     "--model-name",
-    default="",
-    help="The name clients use (default: gemma-3-270m or the file's stem).",
+    "model_names",
+    multiple=True,
+    help="The name clients use (default: gemma-3-270m or the file's stem); with "
+    "--engine sim, repeat it to serve several models.",
+)
+@click.option(
+    "--config",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Settings file (YAML; default DATA_DIR/server.yaml when it exists).",
 )
 @click.option(
     "--admin-listen", default="127.0.0.1:9090", show_default=True, help="Admin API HOST:PORT."
@@ -124,7 +132,8 @@ def up(
     listen: str,
     model: Path | None,
     engine: str,
-    model_name: str,
+    model_names: tuple[str, ...],
+    config: Path | None,
     admin_listen: str,
     metrics_listen: str,
     agent_listen: str,
@@ -138,6 +147,7 @@ def up(
     import trio
 
     from llmgw.agent.weights import WeightsMismatch
+    from llmgw.control.settings import SettingsError
     from llmgw.control.up import UpError, UpOptions, run_up
 
     for name, value in (
@@ -157,7 +167,8 @@ def up(
         engine_ports=_parse_range(engine_ports),
         engine=engine,
         model=model,
-        model_name=model_name,
+        model_names=model_names,
+        config=config,
         engine_args=engine_args,
         llamacpp_bin=llamacpp_bin,
         context_tokens=context_tokens,
@@ -165,7 +176,7 @@ def up(
     )
     try:
         trio.run(run_up, options)
-    except* (WeightsMismatch, FileNotFoundError, ValueError, UpError) as group:
+    except* (WeightsMismatch, FileNotFoundError, ValueError, UpError, SettingsError) as group:
         raise click.ClickException(str(_leaf(group))) from None
     except* OSError as group:
         raise click.ClickException(
@@ -203,6 +214,29 @@ class AdminClient:
             pass
         self.base_url = f"http://{admin}"
 
+    def stream(self, path: str, params: dict[str, Any], out: Any) -> None:
+        """GET ``path`` and copy the body to ``out`` as it arrives."""
+        try:
+            with (
+                httpx.Client(base_url=self.base_url, timeout=ADMIN_TIMEOUT_S) as client,
+                client.stream(
+                    "GET", path, params=params, headers={"authorization": f"Bearer {self.key}"}
+                ) as response,
+            ):
+                if response.status_code >= 400:
+                    response.read()
+                    try:
+                        message = response.json()["error"]["message"]
+                    except (ValueError, KeyError, TypeError):
+                        message = response.text
+                    raise click.ClickException(f"{response.status_code}: {message}")
+                for chunk in response.iter_bytes():
+                    out.write(chunk)
+        except httpx.HTTPError as exc:
+            raise click.ClickException(
+                f"cannot reach the admin API at {self.base_url} ({exc}); is llmgw running?"
+            ) from exc
+
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             with httpx.Client(base_url=self.base_url, timeout=ADMIN_TIMEOUT_S) as client:
@@ -236,18 +270,145 @@ def keys() -> None:
 
 @keys.command("create")
 @click.argument("name")
+@click.option(
+    "--project",
+    default=None,
+    help="ORG/TEAM/PROJECT (made if missing); default/default/default if not given.",
+)
+@click.option(
+    "--expires", default=None, help="Life of the key: 30d, 12h … (capped by auth.max_key_ttl)."
+)
+@click.option("--band", default="", help="Admission band (gold, bulk …).")
 @_data_dir_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def keys_create(name: str, data_dir: Path, as_json: bool) -> None:
+def keys_create(
+    name: str, project: str | None, expires: str | None, band: str, data_dir: Path, as_json: bool
+) -> None:
     """Make a key called NAME and print its secret (shown only this once)."""
-    doc = AdminClient(data_dir).call("POST", "/api/v1/keys", json={"name": name})
+    body: dict[str, Any] = {"name": name, "band": band}
+    if project:
+        body["project"] = project
+    if expires:
+        body["expires"] = expires
+    doc = AdminClient(data_dir).call("POST", "/api/v1/keys", json=body)
+    if as_json:
+        _print_json(doc)
+        return
+    for level in doc.get("created", []):
+        click.echo(f"created {level}", err=True)
+    click.echo(doc["key"])
+    click.echo(
+        f"key {doc['id']} ({doc['name']}) in {doc['project']}: keep the secret above; "
+        "it is not shown again",
+        err=True,
+    )
+
+
+@keys.command("rotate")
+@click.argument("key_id")
+@_data_dir_option()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def keys_rotate(key_id: str, data_dir: Path, as_json: bool) -> None:
+    """Give KEY_ID a new secret (printed once); the old one is refused at once."""
+    doc = AdminClient(data_dir).call("POST", f"/api/v1/keys/{key_id}/rotate")
     if as_json:
         _print_json(doc)
         return
     click.echo(doc["key"])
-    click.echo(
-        f"key {doc['id']} ({doc['name']}): keep the secret above; it is not shown again", err=True
-    )
+
+
+@keys.command("init")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@_data_dir_option()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def keys_init(file: Path, data_dir: Path, as_json: bool) -> None:
+    """Provision the tree (and keys) in FILE (YAML); running it again changes nothing.
+
+    \b
+    orgs:
+      - name: Acme
+        limits: {rpm: 600, budget_month: 500}
+        teams:
+          - name: ml
+            projects:
+              - name: train
+                limits: {rpm: 60, models: [gemma-3-270m]}
+                keys: [{name: ci-bot, band: bulk}]
+    """
+    import yaml
+
+    try:
+        tree = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise click.ClickException(f"{file}: {exc}") from exc
+    doc = AdminClient(data_dir).call("POST", "/api/v1/tree", json=tree)
+    if as_json:
+        _print_json(doc)
+        return
+    for level in doc["created"]:
+        click.echo(f"created {level}")
+    for key in doc["keys"]:
+        click.echo(f"key {key['name']} in {key['project']}: {key['key']}")
+    if not doc["created"] and not doc["keys"]:
+        click.echo("nothing to do: the tree is already as the file says")
+
+
+@keys.command("limits")
+@click.option("--scope", type=click.Choice(["org", "team", "project", "key"]), required=True)
+@click.option("--id", "ident", required=True, help="ORG, ORG/TEAM, ORG/TEAM/PROJECT or a key id.")
+@click.option("--rpm", default=None, help="Requests a minute ('none' clears).")
+@click.option("--tpm", default=None, help="Tokens a minute ('none' clears).")
+@click.option(
+    "--budget",
+    default=None,
+    help="AMOUNT/day or AMOUNT/month in currency units ('none/month' clears).",
+)
+@click.option("--models", default=None, help="Comma-separated models allowed ('none' inherits).")
+@_data_dir_option()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def keys_limits(
+    scope: str,
+    ident: str,
+    rpm: str | None,
+    tpm: str | None,
+    budget: str | None,
+    models: str | None,
+    data_dir: Path,
+    as_json: bool,
+) -> None:
+    """Set limits at one level of the tree; each level only narrows the ones above."""
+    body: dict[str, Any] = {}
+    for name, value in (("rpm", rpm), ("tpm", tpm)):
+        if value is not None:
+            if value.lower() == "none":
+                body[name] = None
+            elif value.isdigit():
+                body[name] = int(value)
+            else:
+                raise click.BadParameter(
+                    f"{value!r}: a whole number or 'none'", param_hint=f"--{name}"
+                )
+    if budget is not None:
+        amount, _, period = budget.partition("/")
+        if period not in ("day", "month"):
+            raise click.BadParameter(
+                f"{budget!r}: AMOUNT/day or AMOUNT/month", param_hint="--budget"
+            )
+        body[f"budget_{period}"] = None if amount.lower() == "none" else amount
+    if models is not None:
+        body["models"] = (
+            None
+            if models.lower() == "none"
+            else [m.strip() for m in models.split(",") if m.strip()]
+        )
+    if not body:
+        raise click.UsageError("give at least one of --rpm, --tpm, --budget, --models")
+    doc = AdminClient(data_dir).call("PUT", f"/api/v1/limits/{scope}/{ident}", json=body)
+    if as_json:
+        _print_json(doc)
+        return
+    limits = ", ".join(f"{k} {v}" for k, v in doc["limits"].items() if v is not None) or "none"
+    click.echo(f"{scope} {ident}: {limits}")
 
 
 @keys.command("list")
@@ -262,7 +423,8 @@ def keys_list(data_dir: Path, as_json: bool) -> None:
     for key in doc["data"]:
         state = "revoked" if key["revoked_at"] else "live"
         admin = " admin" if key["is_admin"] else ""
-        click.echo(f"{key['id']}  {key['prefix']}…  {state}{admin}  {key['name']}")
+        project = key.get("project") or "-"
+        click.echo(f"{key['id']}  {key['prefix']}…  {state}{admin}  {project}  {key['name']}")
 
 
 @keys.command("revoke")
@@ -279,17 +441,48 @@ def ctl() -> None:
     """Read and steer a running llmgw."""
 
 
-@ctl.command("usage")
+@ctl.group("usage", invoke_without_command=True)
 @_data_dir_option()
 @click.option("--last", default=20, show_default=True, help="How many rows, newest first.")
 @click.option("--key", "key_id", default=None, help="Only this key's rows.")
+@click.option(
+    "--by",
+    type=click.Choice(["key", "project", "team", "org", "model"]),
+    default=None,
+    help="Sums by this instead of rows (from hourly roll-ups).",
+)
+@click.option("--since", default="24h", show_default=True, help="With --by: 24h, 30d, 2026-11-01 …")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def ctl_usage(data_dir: Path, last: int, key_id: str | None, as_json: bool) -> None:
-    """List the newest usage rows."""
+@click.pass_context
+def ctl_usage(
+    ctx: click.Context,
+    data_dir: Path,
+    last: int,
+    key_id: str | None,
+    by: str | None,
+    since: str,
+    as_json: bool,
+) -> None:
+    """The newest usage rows, or sums --by key|project|team|org|model."""
+    if ctx.invoked_subcommand is not None:
+        return
+    client = AdminClient(data_dir)
+    if by is not None:
+        doc = client.call("GET", "/api/v1/usage/summary", params={"by": by, "since": since})
+        if as_json:
+            _print_json(doc)
+            return
+        click.echo(f"{by:32}  requests  prompt  cached  completion  cost")
+        for row in doc["data"]:
+            click.echo(
+                f"{row['group'][:32]:32}  {row['requests']:8}  {row['prompt_tokens']:6}  "
+                f"{row['cached_tokens']:6}  {row['completion_tokens']:10}  {row['cost_micros'] / 1e6:.6f}"
+            )
+        return
     params: dict[str, Any] = {"last": last}
     if key_id:
         params["key_id"] = key_id
-    doc = AdminClient(data_dir).call("GET", "/api/v1/usage", params=params)
+    doc = client.call("GET", "/api/v1/usage", params=params)
     if as_json:
         _print_json(doc)
         return
@@ -306,6 +499,36 @@ def ctl_usage(data_dir: Path, last: int, key_id: str | None, as_json: bool) -> N
             f"{row['status']:6}  {row['prompt_tokens']:6}  {row['cached_tokens']:6}  "
             f"{row['completion_tokens']:5}  {row['duration_ms']:6.0f}  {ttft:>7}"
         )
+
+
+@ctl_usage.command("export")
+@click.option(
+    "--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="jsonl", show_default=True
+)
+@click.option("--since", default="30d", show_default=True, help="24h, 30d, 2026-11-01 …")
+@click.option("--until", default=None, help="Same forms as --since.")
+@_data_dir_option()
+def ctl_usage_export(fmt: str, since: str, until: str | None, data_dir: Path) -> None:
+    """Every usage row in the period, streamed to stdout as CSV or JSON lines."""
+    client = AdminClient(data_dir)
+    params = {"format": fmt, "since": since}
+    if until:
+        params["until"] = until
+    client.stream("/api/v1/usage/export", params, sys.stdout.buffer)
+
+
+@ctl.command("request")
+@click.argument("request_id")
+@_data_dir_option()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def ctl_request(request_id: str, data_dir: Path, as_json: bool) -> None:
+    """One request's usage row (the id is in every answer's x-request-id)."""
+    doc = AdminClient(data_dir).call("GET", f"/api/v1/requests/{request_id}")
+    if as_json:
+        _print_json(doc)
+        return
+    for name, value in doc.items():
+        click.echo(f"{name:18} {value}")
 
 
 @ctl.command("status")

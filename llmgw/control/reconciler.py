@@ -24,7 +24,7 @@ import trio
 from llmgw.agent import protocol
 from llmgw.agent.link import LINK_ERRORS
 from llmgw.agent.protocol import ShardState
-from llmgw.store import ModelRecord, Store
+from llmgw.store import ModelRecord, Store, StoreError
 
 from .cluster import Cluster, NodeInfo, ShardInfo, engine_key
 
@@ -76,7 +76,11 @@ async def serve_reconciler(
     task_status.started()
     while True:
         changed = cluster.changed
-        models = {m.name: m for m in await store.list_models()}
+        try:
+            models = {m.name: m for m in await store.list_models()}
+        except StoreError as exc:
+            log.warning("cannot read the catalog (%s); keeping the last one", exc)
+            models = cluster.models
         cluster.models = models
         await reconcile_once(models, cluster, port_range)
         with trio.move_on_after(TICK_S):

@@ -23,16 +23,22 @@ from hypercorn.trio import serve as hypercorn_serve
 from prometheus_client import make_asgi_app
 
 from llmgw import metrics
+from llmgw.accounting.accountant import Accountant
+from llmgw.accounting.budgets import period_start
+from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.admin.app import make_admin_app
+from llmgw.admin.keys import KeysService
 from llmgw.auth.keys import KeyAuthenticator
+from llmgw.auth.tree import ScopeResolver
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
-from llmgw.store import Store
+from llmgw.store import Store, StoreError
 
 from .cluster import Cluster
 from .hub import serve_agent_hub
 from .reconciler import PortRange, serve_reconciler
+from .settings import ServerSettings
 
 __all__ = ["Addresses", "ServerConfig", "serve_control_plane"]
 
@@ -54,6 +60,7 @@ class ServerConfig:
     agent_listen: str = "127.0.0.1:7443"
     engine_ports: PortRange = (20000, 20999)
     grace_s: float = GRACE_S
+    settings: ServerSettings = attrs.field(factory=ServerSettings)
 
 
 @attrs.frozen(kw_only=True)
@@ -97,6 +104,18 @@ async def serve_asgi(
             partial(hypercorn_serve, app, config, shutdown_trigger=stop.wait)
         )
         task_status.started(binds[0].split("://", 1)[-1])
+
+
+async def restore_budgets(store: Store, accountant: Accountant) -> None:
+    """Budget counters rebuilt from the store's usage of this day and month
+    (``shared/spec/accounting.md``, Start-up restore)."""
+    now = time.time()
+    spend: dict[tuple[str, str], int] = {}
+    for period in ("day", "month"):
+        since = period_start(period, now)
+        for scope, micros in (await store.spend_since_by_scope(since)).items():
+            spend[(scope, period)] = micros
+    accountant.restore(spend, now)
 
 
 def _with_lifespan(app: Any) -> Any:
@@ -143,15 +162,33 @@ async def serve_control_plane(
     agent_token = (
         await store.get_or_create_secret("agent-token", lambda: secrets.token_hex(32).encode())
     ).decode()
-    authenticator = KeyAuthenticator(store)
-    usage = UsageWriter()
-    gateway = Gateway(authenticator=authenticator, cluster=cluster, usage=usage)
-    admin = make_admin_app(store, cluster, authenticator)
+    auth = config.settings.auth
+    authenticator = KeyAuthenticator(store, cache_ttl_s=auth.cache_ttl)
+    resolver = ScopeResolver(store, cache_ttl_s=auth.cache_ttl)
+    accountant = Accountant(
+        PriceBook(auth.pricing, auth.default_price),
+        default_rpm=auth.default_rpm,
+        default_tpm=auth.default_tpm,
+    )
+    await restore_budgets(store, accountant)
+    usage = UsageWriter(buffer_size=auth.buffer_size)
+    usage.batch_size = auth.batch_size
+    gateway = Gateway(
+        authenticator=authenticator,
+        cluster=cluster,
+        usage=usage,
+        accountant=accountant,
+        resolver=resolver,
+    )
+    keys_service = KeysService(store, authenticator, resolver, auth)
+    admin = make_admin_app(store, cluster, authenticator, keys_service)
     metrics_app = _with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
     holder = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
 
     async with trio.open_nursery() as services:
-        await services.start(serve_usage_writer, usage, store)
+        await services.start(
+            partial(serve_usage_writer, usage, store, flush_interval_s=auth.flush_interval)
+        )
         hub_host, hub_port = _split(config.agent_listen)
         bound_hub_port = await services.start(
             serve_agent_hub, hub_host, hub_port, agent_token, cluster
@@ -194,27 +231,47 @@ async def _serve_leadership(
     row exists anyway so the code path is the same (ha-and-leader.md).
     """
     started = False
+
+    def ready() -> None:
+        nonlocal started
+        if not started:
+            task_status.started()
+            started = True
+
     while True:
-        lease = await store.acquire_lease(LEASE_NAME, holder, LEASE_TTL_S, time.time())
+        try:
+            lease = await store.acquire_lease(LEASE_NAME, holder, LEASE_TTL_S, time.time())
+        except StoreError as exc:
+            log.warning("cannot reach the store to take the leader lease (%s); retrying", exc)
+            cluster.is_leader = False
+            ready()
+            await trio.sleep(1)
+            continue
         if lease is None:
             cluster.is_leader = False
-            if not started:
-                task_status.started()
-                started = True
+            ready()
             await trio.sleep(LEASE_TTL_S / 3)
             continue
         cluster.is_leader = True
         log.info("leading (lease epoch %d)", lease.epoch)
         async with trio.open_nursery() as leading:
             await leading.start(serve_reconciler, store, cluster, engine_ports)
-            if not started:
-                task_status.started()
-                started = True
+            ready()
+            expires_at = lease.expires_at
             while True:
                 await trio.sleep(LEASE_TTL_S / 3)
-                renewed = await store.acquire_lease(LEASE_NAME, holder, LEASE_TTL_S, time.time())
+                try:
+                    renewed = await store.acquire_lease(
+                        LEASE_NAME, holder, LEASE_TTL_S, time.time()
+                    )
+                except StoreError as exc:
+                    if time.time() < expires_at:
+                        log.warning("leader lease not renewed (%s); still held, retrying", exc)
+                        continue
+                    renewed = None
                 if renewed is None:
                     log.error("lost the leader lease; stopping leader-only work")
                     cluster.is_leader = False
                     leading.cancel_scope.cancel()
                     break
+                expires_at = renewed.expires_at

@@ -46,6 +46,7 @@ from llmgw.store import ModelRecord, Store, open_store
 
 from .cluster import Cluster
 from .server import Addresses, ServerConfig, serve_control_plane
+from .settings import ServerSettings, load_settings
 
 __all__ = ["UpError", "UpOptions", "run_up"]
 
@@ -69,7 +70,8 @@ class UpOptions:
     engine_ports: tuple[int, int] = (20000, 20999)
     engine: str = "llamacpp"
     model: Path | None = None
-    model_name: str = ""
+    model_names: tuple[str, ...] = ()
+    config: Path | None = None
     engine_args: tuple[str, ...] = ()
     llamacpp_bin: str | None = None
     context_tokens: int = 4096
@@ -96,13 +98,24 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
     started = trio.current_time()
     data_dir = options.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
+    config_path = options.config
+    if config_path is None and (data_dir / "server.yaml").exists():
+        config_path = data_dir / "server.yaml"
+    settings = load_settings(config_path)
+    if config_path is not None:
+        say(f"settings from {config_path}")
     with _DataDirLock(data_dir):
-        model = await _model_record(options, data_dir, say)
-        await _run_locked(options, data_dir, model, started, say)
+        models = await _model_records(options, data_dir, say)
+        await _run_locked(options, settings, data_dir, models, started, say)
 
 
 async def _run_locked(
-    options: UpOptions, data_dir: Path, model: ModelRecord, started: float, say: Say
+    options: UpOptions,
+    settings: ServerSettings,
+    data_dir: Path,
+    models: list[ModelRecord],
+    started: float,
+    say: Say,
 ) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as root:
@@ -118,6 +131,7 @@ async def _run_locked(
                 agent_listen=options.agent_listen,
                 engine_ports=options.engine_ports,
                 grace_s=options.grace_s,
+                settings=settings,
             )
             cp_done = trio.Event()
 
@@ -131,7 +145,7 @@ async def _run_locked(
                 # Listen first: a start that cannot bind its ports changes nothing.
                 addresses: Addresses = await cp.start(control_plane)
                 await _ensure_admin_key(store, data_dir, say)
-                await _set_catalog(store, model, say)
+                await _set_catalog(store, models, say)
                 cluster.poke()
                 _write_run_file(data_dir, addresses)
                 say(
@@ -151,7 +165,7 @@ async def _run_locked(
                     agent.start_soon(
                         _report_progress,
                         cluster,
-                        model.name,
+                        models[0].name,
                         addresses,
                         data_dir / ADMIN_KEY_FILE,
                         started,
@@ -199,14 +213,16 @@ class _DataDirLock:
         os.close(self._fd)
 
 
-async def _set_catalog(store: Store, model: ModelRecord, say: Say) -> None:
-    """Make the catalog hold exactly the model this start serves: ``up``
-    serves one model, the one it was asked for."""
+async def _set_catalog(store: Store, models: list[ModelRecord], say: Say) -> None:
+    """Make the catalog hold exactly the models this start serves: ``up``
+    serves what it was asked for, nothing left from earlier starts."""
+    names = {m.name for m in models}
     for other in await store.list_models():
-        if other.name != model.name:
+        if other.name not in names:
             await store.delete_model(other.name)
             say(f"model {other.name} from an earlier start removed from the catalog")
-    await store.put_model(model)
+    for model in models:
+        await store.put_model(model)
 
 
 #: A second signal this soon after the first is the same Ctrl-C delivered
@@ -233,7 +249,7 @@ async def _serve_signals(
                 return
 
 
-async def _model_record(options: UpOptions, data_dir: Path, say: Say) -> ModelRecord:
+async def _model_records(options: UpOptions, data_dir: Path, say: Say) -> list[ModelRecord]:
     check_args(options.engine, list(options.engine_args))
     common = {
         "engine": options.engine,
@@ -244,14 +260,26 @@ async def _model_record(options: UpOptions, data_dir: Path, say: Say) -> ModelRe
         "created_at": time.time(),
     }
     if options.engine == "sim":
-        name = options.model_name or STARTER_MODEL_NAME
-        say(f"model {name}: sim engine (made-up answers, for tests and benchmarks)")
-        return ModelRecord(name=name, **common)  # type: ignore[arg-type]
+        names = options.model_names or (STARTER_MODEL_NAME,)
+        if len(set(names)) != len(names):
+            raise ValueError(f"--model-name given twice: {', '.join(names)}")
+        for name in names:
+            say(f"model {name}: sim engine (made-up answers, for tests and benchmarks)")
+        return [ModelRecord(name=name, **common) for name in names]  # type: ignore[arg-type]
+    if len(options.model_names) > 1:
+        raise ValueError("llama.cpp serves one model here: give --model-name once")
+    return [await _gguf_model_record(options, data_dir, common, say)]
+
+
+async def _gguf_model_record(
+    options: UpOptions, data_dir: Path, common: dict[str, object], say: Say
+) -> ModelRecord:
+    model_name = options.model_names[0] if options.model_names else ""
     if options.model is not None:
         path = options.model.expanduser().resolve()
         if not path.is_file():
             raise FileNotFoundError(f"--model {options.model}: no such file")
-        name = options.model_name or path.stem
+        name = model_name or path.stem
         say(f"model {name}: {path}")
         return ModelRecord(name=name, source=str(path), **common)  # type: ignore[arg-type]
     weights = data_dir / "weights"
@@ -267,7 +295,7 @@ async def _model_record(options: UpOptions, data_dir: Path, say: Say) -> ModelRe
         # with Jinja on, the name would be taken as a template's text.
         args = ("--chat-template", "gemma", "--no-jinja", *args)
     return ModelRecord(
-        name=options.model_name or STARTER_MODEL_NAME,
+        name=model_name or STARTER_MODEL_NAME,
         source=str(path),
         sha256=starter.EXPECTED_SHA256,
         **{**common, "args": args},  # type: ignore[arg-type]

@@ -26,10 +26,12 @@ import orjson
 import trio
 
 from llmgw import metrics
+from llmgw.accounting.accountant import Accountant, Refused, Reservation
 from llmgw.accounting.usage import UsageWriter
 from llmgw.auth.keys import KeyAuthenticator, KeyRefused
+from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster, Endpoint
-from llmgw.store import KeyRecord, UsageRow
+from llmgw.store import KeyRecord, StoreError, UsageRow
 
 from .errors import ApiError, bad_request, unauthorized
 from .sse import SseRelay, Usage, usage_from
@@ -75,8 +77,12 @@ class Gateway:
         cluster: ready endpoints, the catalog's model names, leadership.
         usage: where usage rows go (never awaited on the request path).
         max_body_bytes: request bodies larger than this get 413.
-        accounting: write a usage row per request; off only for the
-            ``bare`` mode of ``llmgw bench overhead`` (a key, no accounting).
+        accounting: limits, budgets and a usage row per request; off only
+            for the ``bare`` mode of ``llmgw bench overhead`` (a key, no
+            accounting).
+        accountant, resolver: the rate limits and budgets along each key's
+            path in the tree (``shared/spec/accounting.md``); without them
+            nothing is limited.
     """
 
     def __init__(
@@ -87,9 +93,13 @@ class Gateway:
         usage: UsageWriter,
         max_body_bytes: int = MAX_BODY_BYTES,
         accounting: bool = True,
+        accountant: Accountant | None = None,
+        resolver: ScopeResolver | None = None,
     ) -> None:
         self._auth = authenticator
         self._accounting = accounting
+        self._accountant = accountant if accounting else None
+        self._resolver = resolver
         self._cluster = cluster
         self._usage = usage
         self._max_body_bytes = max_body_bytes
@@ -154,35 +164,44 @@ class Gateway:
     # --- completions ---------------------------------------------------------------
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
-        started = time.perf_counter()
-        request_id = "req_" + secrets.token_hex(12)
-        key: KeyRecord | None = None
-        model = ""
+        call = _Call(kind)
         metrics.IN_FLIGHT.inc()
         try:
-            key = await self._authenticate(scope)
+            call.key = await self._authenticate(scope)
             body = await _read_body(scope, receive, self._max_body_bytes)
             doc = _parse(body, kind)
-            model = doc["model"]
-            if model not in self._cluster.models:
+            call.model = doc["model"]
+            call.stream = doc.get("stream") is True
+            if call.model not in self._cluster.models:
                 raise ApiError(
                     404,
-                    f"The model '{model}' does not exist",
+                    f"The model '{call.model}' does not exist",
                     code="model_not_found",
                     param="model",
                 )
-            endpoint = self._pick(model)
-            await self._forward(
-                scope, receive, send, kind, doc, body, endpoint, key, request_id, started
-            )
+            if self._accountant is not None and self._resolver is not None:
+                try:
+                    path, call.scope_ids = await self._resolver.path(call.key)
+                except StoreError as exc:
+                    log.error("cannot read a key's limits: %s", exc)
+                    raise _store_unavailable() from None
+                try:
+                    call.reservation = self._accountant.check(
+                        path, call.model, estimate_tokens(doc, kind), time.time()
+                    )
+                except Refused as refused:
+                    raise _refusal(refused) from None
+                call.headers = call.reservation.headers()
+            endpoint = self._pick(call.model)
+            await self._forward(receive, send, call, doc, body, endpoint)
         except ApiError as exc:
             await _answer(
                 send,
                 exc.status,
                 exc.body(),
-                (*exc.headers, (b"x-request-id", request_id.encode())),
+                (*exc.headers, *call.headers, (b"x-request-id", call.request_id.encode())),
             )
-            self._finish(request_id, key, model, exc.status, started, None, None, "", False, kind)
+            self._finish(call, exc.status, None)
         finally:
             metrics.IN_FLIGHT.dec()
 
@@ -199,6 +218,9 @@ class Gateway:
             return await self._auth.check(secret.strip())
         except KeyRefused as exc:
             raise unauthorized(str(exc)) from None
+        except StoreError as exc:
+            log.error("cannot check a key: %s", exc)
+            raise _store_unavailable() from None
 
     def _pick(self, model: str) -> Endpoint:
         endpoints = self._cluster.ready_endpoints(model)
@@ -221,20 +243,15 @@ class Gateway:
 
     async def _forward(
         self,
-        scope: Scope,
         receive: Receive,
         send: Send,
-        kind: str,
+        call: _Call,
         doc: dict[str, Any],
         body: bytes,
         endpoint: Endpoint,
-        key: KeyRecord,
-        request_id: str,
-        started: float,
     ) -> None:
-        stream = doc.get("stream") is True
         pass_usage = False
-        if stream:
+        if call.stream:
             options = doc.get("stream_options")
             pass_usage = isinstance(options, dict) and options.get("include_usage") is True
             if not pass_usage:
@@ -242,13 +259,14 @@ class Gateway:
                 # it from a client that did not ask.
                 doc["stream_options"] = {**(options or {}), "include_usage": True}
                 body = orjson.dumps(doc)
-        path = b"/v1/chat/completions" if kind == "chat" else b"/v1/completions"
+        path = b"/v1/chat/completions" if call.kind == "chat" else b"/v1/completions"
         headers = [
             (b"authorization", endpoint.authorization),
             (b"content-type", b"application/json"),
-            (b"x-request-id", request_id.encode()),
+            (b"x-request-id", call.request_id.encode()),
         ]
         pool = self._pool(endpoint)
+        call.replica_id = endpoint.replica_id
         endpoint.in_flight += 1
         outcome = _Outcome()
         try:
@@ -256,17 +274,7 @@ class Gateway:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_cancel_on_disconnect, receive, watch)
                     await _attempt(
-                        pool,
-                        path,
-                        body,
-                        headers,
-                        send,
-                        stream,
-                        pass_usage,
-                        started,
-                        request_id,
-                        endpoint,
-                        outcome,
+                        pool, path, body, headers, send, pass_usage, call, endpoint, outcome
                     )
                     nursery.cancel_scope.cancel()
             if watch.cancelled_caught and not outcome.finished:
@@ -274,71 +282,145 @@ class Gateway:
         finally:
             endpoint.in_flight -= 1
             if outcome.connect_error is None:
-                self._finish(
-                    request_id,
-                    key,
-                    doc.get("model", ""),
-                    outcome.status,
-                    started,
-                    outcome.usage,
-                    outcome.ttft_s,
-                    endpoint.replica_id,
-                    stream,
-                    kind,
-                )
+                call.ttft_s = outcome.ttft_s
+                self._finish(call, outcome.status, outcome.usage)
         if outcome.connect_error is not None:
             raise ApiError(
                 502,
-                f"The replica serving '{doc['model']}' did not answer; retry.",
+                f"The replica serving '{call.model}' did not answer; retry.",
                 type="server_error",
                 code="upstream_error",
             ) from outcome.connect_error
 
-    def _finish(
-        self,
-        request_id: str,
-        key: KeyRecord | None,
-        model: str,
-        status: int,
-        started: float,
-        usage: Usage | None,
-        ttft_s: float | None,
-        replica_id: str,
-        stream: bool,
-        kind: str,
-    ) -> None:
-        duration_s = time.perf_counter() - started
-        label = model if model in self._cluster.models else ""
+    def _finish(self, call: _Call, status: int, usage: Usage | None) -> None:
+        """Metrics, the accountant settled, the usage row queued. Never awaits."""
+        duration_s = time.perf_counter() - call.started
+        label = call.model if call.model in self._cluster.models else ""
         metrics.REQUESTS.labels(label, str(status)).inc()
         metrics.REQUEST_DURATION.labels(label).observe(duration_s)
-        if ttft_s is not None:
-            metrics.TTFT.labels(label).observe(ttft_s)
+        if call.ttft_s is not None:
+            metrics.TTFT.labels(label).observe(call.ttft_s)
         if usage is not None:
             metrics.TOKENS.labels(label, "prompt").inc(usage.prompt_tokens)
             metrics.TOKENS.labels(label, "cached").inc(usage.cached_tokens)
             metrics.TOKENS.labels(label, "completion").inc(usage.completion_tokens)
+        key = call.key
         if key is None or not self._accounting:
             return
+        cost_micros = 0
+        if call.reservation is not None and self._accountant is not None:
+            now = time.time()
+            if usage is not None:
+                cost_micros = self._accountant.settle(
+                    call.reservation,
+                    prompt=usage.prompt_tokens,
+                    cached=usage.cached_tokens,
+                    completion=usage.completion_tokens,
+                    now=now,
+                    served_model=label or None,
+                )
+            else:
+                self._accountant.release(call.reservation, now)
+        project_id, team_id, org_id = call.scope_ids
         self._usage.record(
             UsageRow(
-                request_id=request_id,
+                request_id=call.request_id,
                 created_at=time.time(),
                 key_id=key.id,
-                model=label or model[:200],
+                model=label or call.model[:200],
+                served_model=label,
                 status=status,
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 cached_tokens=usage.cached_tokens if usage else 0,
                 completion_tokens=usage.completion_tokens if usage else 0,
+                cost_micros=cost_micros,
                 duration_ms=round(duration_s * 1000, 3),
-                ttft_ms=None if ttft_s is None else round(ttft_s * 1000, 3),
-                replica_id=replica_id,
-                stream=stream,
-                endpoint=kind,
+                ttft_ms=None if call.ttft_s is None else round(call.ttft_s * 1000, 3),
+                replica_id=call.replica_id,
+                stream=call.stream,
+                endpoint=call.kind,
+                project_id=project_id,
+                team_id=team_id,
+                org_id=org_id,
             )
         )
 
 
 # --- helpers -----------------------------------------------------------------------
+
+
+class _Call:
+    """One client request as it goes through the gateway."""
+
+    __slots__ = (
+        "headers",
+        "key",
+        "kind",
+        "model",
+        "replica_id",
+        "request_id",
+        "reservation",
+        "scope_ids",
+        "started",
+        "stream",
+        "ttft_s",
+    )
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.started = time.perf_counter()
+        self.request_id = "req_" + secrets.token_hex(12)
+        self.key: KeyRecord | None = None
+        self.model = ""
+        self.stream = False
+        self.reservation: Reservation | None = None
+        self.scope_ids: tuple[str, str, str] = ("", "", "")
+        #: Response headers every answer carries (the rate-limit figures).
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.replica_id = ""
+        self.ttft_s: float | None = None
+
+
+#: Output tokens assumed for a request that gives no max_tokens, when
+#: estimating what it will spend (the model's max_output comes with the catalog).
+DEFAULT_MAX_OUTPUT_TOKENS: Final = 512
+
+
+def estimate_tokens(doc: dict[str, Any], kind: str) -> int:
+    """The tokens a request may spend: its prompt (about 4 characters a
+    token, plus 4 a message for the chat template) plus its ``max_tokens``.
+    Charged to the token limiters first, then settled with the real count."""
+    if kind == "chat":
+        chars = 0
+        messages = doc.get("messages") or []
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            chars += len(content) if isinstance(content, str) else len(orjson.dumps(content))
+        prompt = chars // 4 + 4 * len(messages)
+    else:
+        given = doc.get("prompt")
+        prompt = len(given) // 4 if isinstance(given, str) else len(orjson.dumps(given)) // 4
+    output = doc.get("max_completion_tokens") or doc.get("max_tokens") or DEFAULT_MAX_OUTPUT_TOKENS
+    return max(prompt, 1) + int(output)
+
+
+def _store_unavailable() -> ApiError:
+    return ApiError(
+        503,
+        "The gateway cannot reach its store just now; retry shortly.",
+        type="server_error",
+        code="store_unavailable",
+        headers=[(b"retry-after", str(RETRY_AFTER_S).encode())],
+    )
+
+
+def _refusal(refused: Refused) -> ApiError:
+    headers = []
+    if refused.retry_after_s:
+        headers.append((b"retry-after", str(max(1, round(refused.retry_after_s))).encode()))
+    return ApiError(
+        refused.status, refused.message, type=refused.type, code=refused.code, headers=headers
+    )
 
 
 class _Outcome:
@@ -361,10 +443,8 @@ async def _attempt(
     body: bytes,
     headers: list[tuple[bytes, bytes]],
     send: Send,
-    stream: bool,
     pass_usage: bool,
-    started: float,
-    request_id: str,
+    call: _Call,
     endpoint: Endpoint,
     outcome: _Outcome,
 ) -> None:
@@ -382,12 +462,13 @@ async def _attempt(
                 response.header(b"content-type") or b"application/json",
             )
             extra = [
-                (b"x-request-id", request_id.encode()),
+                (b"x-request-id", call.request_id.encode()),
                 (b"x-llmgw-replica", endpoint.replica_id.encode()),
+                *call.headers,
             ]
-            if stream and response.status == 200:
+            if call.stream and response.status == 200:
                 await _relay_stream(
-                    response, send, [content_type, *extra], pass_usage, started, outcome
+                    response, send, [content_type, *extra], pass_usage, call.started, outcome
                 )
             else:
                 data = await response.read()

@@ -9,11 +9,12 @@ import sqlite3
 import stat
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
 from llmgw.store import KeyRecord, SqliteStore, StoreError, UsageRow, open_store
-from llmgw.store.sqlite import open_sqlite_store
+from llmgw.store.sqlite import BUSY_TIMEOUT_S, HOUR_S, hour_of, open_sqlite_store
 
 EXTRA_MIGRATION = """
 -- A later migration for the tests: a new table and a new column.
@@ -26,6 +27,18 @@ def query(path: Path, sql: str) -> list[tuple[object, ...]]:
     """Rows of ``sql`` read through a separate, short-lived connection."""
     with contextlib.closing(sqlite3.connect(path)) as conn:
         return conn.execute(sql).fetchall()
+
+
+def index_columns(path: Path, table: str) -> dict[str, list[str]]:
+    """The indexes made by CREATE INDEX on ``table``: name → columns in order."""
+    names = [
+        str(r[0])
+        for r in query(path, f"SELECT name FROM pragma_index_list('{table}') WHERE origin = 'c'")
+    ]
+    return {
+        name: [str(r[0]) for r in query(path, f"SELECT name FROM pragma_index_info('{name}')")]
+        for name in names
+    }
 
 
 def packaged_plus(tmp_path: Path, extra: dict[str, str]) -> Path:
@@ -75,7 +88,7 @@ async def test_the_store_connection_is_wal_synchronous_normal_with_a_busy_timeou
         conn = store._db.conn
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
         assert conn.execute("PRAGMA synchronous").fetchone() == (1,)  # NORMAL
-        assert conn.execute("PRAGMA busy_timeout").fetchone() == (5000,)
+        assert conn.execute("PRAGMA busy_timeout").fetchone() == (int(BUSY_TIMEOUT_S * 1000),)
 
 
 async def test_the_schema_has_the_tables_and_usage_indexes(tmp_path: Path) -> None:
@@ -83,13 +96,38 @@ async def test_the_schema_has_the_tables_and_usage_indexes(tmp_path: Path) -> No
     async with open_sqlite_store(path):
         pass
     tables = {r[0] for r in query(path, "SELECT name FROM sqlite_master WHERE type = 'table'")}
-    assert {"keys", "usage", "models", "settings", "secrets", "leases", "schema_migrations"} <= (
-        tables
-    )
-    indexed = {
-        r[0] for r in query(path, "SELECT name FROM pragma_index_list('usage') WHERE origin = 'c'")
+    assert {
+        "keys",
+        "usage",
+        "usage_hourly",
+        "orgs",
+        "teams",
+        "projects",
+        "models",
+        "settings",
+        "secrets",
+        "leases",
+        "schema_migrations",
+    } <= tables
+    assert index_columns(path, "usage") == {
+        "usage_created_at": ["created_at", "request_id"],
+        "usage_key_id": ["key_id", "created_at"],
+        "usage_project_id": ["project_id", "created_at"],
+        "usage_model": ["model", "created_at"],
     }
-    assert indexed == {"usage_created_at", "usage_key_id", "usage_model"}
+    # The roll-up table is stored in its primary key's order (no rowid), so
+    # that key is the index ranges of hours are read along.
+    assert query(path, "SELECT name, pk FROM pragma_table_info('usage_hourly') WHERE pk > 0") == [
+        ("hour", 1),
+        ("key_id", 2),
+        ("model", 3),
+        ("project_id", 4),
+        ("team_id", 5),
+        ("org_id", 6),
+    ]
+    assert "WITHOUT ROWID" in str(
+        query(path, "SELECT sql FROM sqlite_master WHERE name = 'usage_hourly'")[0][0]
+    )
 
 
 async def test_a_closed_store_refuses_calls(tmp_path: Path) -> None:
@@ -119,7 +157,7 @@ async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Pa
     async with open_sqlite_store(path):
         pass
     assert query(path, "SELECT version, name, applied_at FROM schema_migrations") == first
-    assert [(v, n) for v, n, _ in first] == [(1, "0001_init.sql")]
+    assert [(v, n) for v, n, _ in first] == [(1, "0001_init.sql"), (2, "0002_tenancy.sql")]
     assert backups(path) == []
 
 
@@ -130,33 +168,41 @@ async def test_a_new_migration_on_an_existing_database_backs_it_up_first(
     async with open_sqlite_store(path) as store:
         await store.insert_key(KEY)
 
-    later = packaged_plus(tmp_path, {"0002_notes.sql": EXTRA_MIGRATION})
+    later = packaged_plus(tmp_path, {"0099_notes.sql": EXTRA_MIGRATION})
     async with open_sqlite_store(path, migrations_dir=later) as store:
         assert await store.get_key("key_1") == KEY
 
-    assert backups(path) == ["s.db.bak-0001"]
-    backup = path.with_name("s.db.bak-0001")
-    # The copy is the database as it was: version 1, the key, no new table.
-    assert query(backup, "SELECT version FROM schema_migrations") == [(1,)]
+    assert backups(path) == ["s.db.bak-0002"]
+    backup = path.with_name("s.db.bak-0002")
+    # The copy is the database as it was: versions 1 and 2, the key, no new table.
+    assert query(backup, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
     assert query(backup, "SELECT id FROM keys") == [("key_1",)]
     assert query(backup, "SELECT name FROM sqlite_master WHERE name = 'notes'") == []
     assert query(backup, "PRAGMA journal_mode") == [("delete",)]
     # The live database has moved on.
-    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
+        (1,),
+        (2,),
+        (99,),
+    ]
     assert query(path, "SELECT id, note FROM keys") == [("key_1", "")]
 
     async with open_sqlite_store(path, migrations_dir=later):
         pass
-    assert backups(path) == ["s.db.bak-0001"]
+    assert backups(path) == ["s.db.bak-0002"]
 
 
 async def test_a_new_database_gets_no_backup(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
-    later = packaged_plus(tmp_path, {"0002_notes.sql": EXTRA_MIGRATION})
+    later = packaged_plus(tmp_path, {"0099_notes.sql": EXTRA_MIGRATION})
     async with open_sqlite_store(path, migrations_dir=later):
         pass
     assert backups(path) == []
-    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
+        (1,),
+        (2,),
+        (99,),
+    ]
 
 
 async def test_a_failing_migration_is_rolled_back_and_stays_pending(tmp_path: Path) -> None:
@@ -165,19 +211,19 @@ async def test_a_failing_migration_is_rolled_back_and_stays_pending(tmp_path: Pa
         await store.insert_key(KEY)
     broken = packaged_plus(
         tmp_path,
-        {"0002_broken.sql": "CREATE TABLE half (id INTEGER);\nTHIS IS NOT SQL;\n"},
+        {"0099_broken.sql": "CREATE TABLE half (id INTEGER);\nTHIS IS NOT SQL;\n"},
     )
-    with pytest.raises(StoreError, match=r"0002_broken\.sql"):
+    with pytest.raises(StoreError, match=r"0099_broken\.sql"):
         async with open_sqlite_store(path, migrations_dir=broken):
             pass
-    assert query(path, "SELECT version FROM schema_migrations") == [(1,)]
+    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
     assert query(path, "SELECT name FROM sqlite_master WHERE name = 'half'") == []
     assert query(path, "SELECT id FROM keys") == [("key_1",)]
 
 
 async def test_a_database_from_a_newer_llmgw_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
-    later = packaged_plus(tmp_path, {"0002_notes.sql": EXTRA_MIGRATION})
+    later = packaged_plus(tmp_path, {"0099_notes.sql": EXTRA_MIGRATION})
     async with open_sqlite_store(path, migrations_dir=later):
         pass
     with pytest.raises(StoreError, match="newer llmgw"):
@@ -223,7 +269,155 @@ async def test_two_stores_opening_one_new_file_at_once_migrate_it_once(tmp_path:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(open_and_hold)
         nursery.start_soon(open_and_hold)
-    assert query(path, "SELECT version FROM schema_migrations") == [(1,)]
+    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+
+
+def only_the_first_migration(tmp_path: Path) -> Path:
+    """A migrations folder holding just the shipped ``0001_init.sql``."""
+    folder = tmp_path / "migrations-0001"
+    folder.mkdir()
+    shipped = importlib.resources.files("llmgw.store").joinpath("migrations", "sqlite")
+    init = shipped.joinpath("0001_init.sql").read_text(encoding="utf-8")
+    (folder / "0001_init.sql").write_text(init, encoding="utf-8")
+    return folder
+
+
+#: Usage rows as a 0001 llmgw wrote them: (request_id, created_at, key_id, model,
+#: status, prompt_tokens, cached_tokens, completion_tokens), at awkward times.
+OLD_USAGE = [
+    ("old_1", -1.0, "key_1", "gemma", 200, 10, 1, 5),
+    ("old_2", 0.0, "key_1", "gemma", 200, 20, 2, 6),
+    ("old_3", 3599.999, "key_1", "gemma", 502, 0, 0, 0),
+    ("old_4", 3600.0, "key_1", "gemma", 200, 40, 4, 8),
+    ("old_5", 1_767_227_400.5, "key_2", "qwen", 200, 50, 0, 9),
+]
+
+
+async def test_a_0001_database_keeps_its_keys_and_usage_through_the_tenancy_migration(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "s.db"
+    async with open_sqlite_store(path, migrations_dir=only_the_first_migration(tmp_path)):
+        pass
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute(
+            "INSERT INTO keys (id, name, key_hash, prefix, created_at, is_admin) VALUES"
+            " ('key_1', 'one', ?, 'sk-llmgw-aaaa', 1.0, 1)",
+            ("a" * 64,),
+        )
+        conn.execute(
+            "INSERT INTO keys (id, name, key_hash, prefix, created_at, revoked_at, expires_at)"
+            " VALUES ('key_2', 'two', ?, 'sk-llmgw-bbbb', 2.0, 3.0, 4.0)",
+            ("b" * 64,),
+        )
+        conn.executemany(
+            "INSERT INTO usage (request_id, created_at, key_id, model, status, prompt_tokens,"
+            " cached_tokens, completion_tokens, duration_ms, replica_id, stream, endpoint)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, 12.5, 'r/0', 1, '/v1/chat/completions')",
+            OLD_USAGE,
+        )
+        conn.commit()
+
+    async with open_sqlite_store(path) as store:
+        # The keys are there with no project, band, limits or last use, and work.
+        one = KeyRecord(
+            id="key_1",
+            name="one",
+            key_hash="a" * 64,
+            prefix="sk-llmgw-aaaa",
+            created_at=1.0,
+            is_admin=True,
+        )
+        two = KeyRecord(
+            id="key_2",
+            name="two",
+            key_hash="b" * 64,
+            prefix="sk-llmgw-bbbb",
+            created_at=2.0,
+            revoked_at=3.0,
+            expires_at=4.0,
+        )
+        assert await store.list_keys() == [one, two]
+        assert await store.find_key_by_hash("a" * 64) == one
+        # The usage rows are there with empty tree ids and no cost.
+        old_rows = [
+            UsageRow(
+                request_id=rid,
+                created_at=at,
+                key_id=key,
+                model=model,
+                status=status,
+                prompt_tokens=prompt,
+                cached_tokens=cached,
+                completion_tokens=completion,
+                duration_ms=12.5,
+                replica_id="r/0",
+                stream=True,
+                endpoint="/v1/chat/completions",
+            )
+            for rid, at, key, model, status, prompt, cached, completion in OLD_USAGE
+        ]
+        assert await store.export_usage(-HOUR_S, None) == old_rows
+        # They were summed into the roll-ups, hour by hour as new rows are.
+        assert query(path, "SELECT hour, key_id, requests FROM usage_hourly ORDER BY hour") == [
+            (-3600, "key_1", 1),
+            (0, "key_1", 2),
+            (3600, "key_1", 1),
+            (1_767_225_600, "key_2", 1),
+        ]
+        assert [
+            (s.group, s.requests, s.prompt_tokens, s.cached_tokens, s.completion_tokens)
+            for s in await store.usage_summary("key", -HOUR_S)
+        ] == [
+            ("key_1", 4, 70, 7, 19),
+            ("key_2", 1, 50, 0, 9),
+        ]
+        assert await store.spend_since_by_scope(-HOUR_S) == {"key:key_1": 0, "key:key_2": 0}
+
+        # An old key moves into the tree; new usage adds into the old hours.
+        path_, _ = await store.ensure_project("Acme", "ml", "train", now=10.0)
+        assert await store.update_key(attrs.evolve(one, project_id=path_.project.id)) is True
+        await store.insert_usage(
+            [
+                UsageRow(
+                    request_id="new_1",
+                    created_at=3599.0,
+                    key_id="key_1",
+                    model="gemma",
+                    status=200,
+                    cost_micros=7,
+                )
+            ]
+        )
+        assert query(path, "SELECT requests, cost_micros FROM usage_hourly WHERE hour = 0") == [
+            (3, 7)
+        ]
+        assert await store.spend_since_by_scope(0.0) == {"key:key_1": 7, "key:key_2": 0}
+
+    assert backups(path) == ["s.db.bak-0001"]
+    assert query(path.with_name("s.db.bak-0001"), "SELECT count(*) FROM usage") == [(5,)]
+
+
+async def test_the_roll_up_hour_of_the_migration_is_the_one_insert_usage_uses(
+    tmp_path: Path,
+) -> None:
+    """The migration floors times in SQL; the store in Python: they must agree."""
+    times = [-7200.5, -3600.0, -0.25, 0.0, 0.5, 3599.9999999, 3600.0, 1_767_225_599.999999]
+    path = tmp_path / "s.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        sql = (
+            "SELECT (CAST(:t / 3600 AS INTEGER) - (:t < CAST(:t / 3600 AS INTEGER) * 3600)) * 3600"
+        )
+        migration = (
+            importlib.resources.files("llmgw.store")
+            .joinpath("migrations", "sqlite", "0002_tenancy.sql")
+            .read_text(encoding="utf-8")
+        )
+        assert sql.replace(":t", "created_at") in " ".join(migration.split())
+        assert [conn.execute(sql, {"t": t}).fetchone()[0] for t in times] == [
+            hour_of(t) for t in times
+        ]
+    assert [hour_of(t) for t in times] == [-10800, -3600, -3600, 0, 0, 0, 3600, 1_767_222_000]
 
 
 # --- several connections on one file ----------------------------------------

@@ -12,10 +12,22 @@ already taken.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from .records import KeyRecord, Lease, ModelRecord, UsageRow
+from .records import (
+    KeyRecord,
+    Lease,
+    Limits,
+    ModelRecord,
+    Org,
+    ProjectPath,
+    Scope,
+    SummaryBy,
+    Team,
+    UsageRow,
+    UsageSummary,
+)
 
 __all__ = ["Conflict", "Store", "StoreError"]
 
@@ -56,12 +68,73 @@ class Store(Protocol):
         """Mark a key revoked at ``at``; ``False`` when there is no such key."""
         ...
 
+    async def update_key(self, key: KeyRecord) -> bool:
+        """Replace the key with ``key.id`` (rotation, limits, band, last use).
+
+        A revoked key stays revoked (a stored ``revoked_at`` wins) and
+        ``last_used_at`` keeps the later time, so a stale copy undoes nothing.
+        ``False`` when there is no such key. Raises :class:`Conflict` if the
+        hash belongs to another key.
+        """
+        ...
+
+    async def mark_keys_used(self, used: Mapping[str, float]) -> None:
+        """Record last uses (key id → UTC epoch s) in one transaction.
+
+        Earlier times than the stored ones and unknown ids are ignored.
+        """
+        ...
+
+    # --- tenancy tree --------------------------------------------------------
+    async def ensure_project(
+        self, org: str, team: str, project: str, now: float
+    ) -> tuple[ProjectPath, list[str]]:
+        """Make ``org/team/project`` exist; the path and what was created.
+
+        Created levels are listed top down as ``"org Acme"``, ``"team
+        Acme/ml"``, ``"project Acme/ml/train"``. Names are unique per parent,
+        so nothing existing is ever moved. Raises ``ValueError`` for a name
+        that is not 1 to 64 letters, digits, ``-``, ``_`` or ``.``.
+        """
+        ...
+
+    async def get_project_path(self, project_id: str) -> ProjectPath | None: ...
+
+    async def find_project(self, org: str, team: str, project: str) -> ProjectPath | None:
+        """The project at ``org/team/project`` (names), or ``None``."""
+        ...
+
+    async def find_org(self, name: str) -> Org | None: ...
+
+    async def find_team(self, org: str, name: str) -> Team | None:
+        """The team ``name`` in the org named ``org``, or ``None``."""
+        ...
+
+    async def list_orgs(self) -> list[Org]:
+        """Every org, by name."""
+        ...
+
+    async def list_teams(self) -> list[Team]:
+        """Every team, by org name then team name."""
+        ...
+
+    async def list_tree(self) -> list[ProjectPath]:
+        """Every project with its path, by org, team and project name."""
+        ...
+
+    async def set_limits(self, scope: Scope, id: str, limits: Limits) -> bool:
+        """Replace the limits at one scope; ``False`` when there is no such id."""
+        ...
+
     # --- usage ---------------------------------------------------------------
     async def insert_usage(self, rows: Sequence[UsageRow]) -> None:
         """Write a batch of usage rows in one transaction (all or none).
 
         A row whose ``request_id`` is already stored is skipped, so a batch
-        retried after an error it did not see is never counted twice.
+        retried after an error it did not see is never counted twice. New
+        rows are added into the hourly roll-ups in the same transaction.
+        When another process holds the write lock, fails with
+        :class:`StoreError` within about ten seconds rather than waiting.
         """
         ...
 
@@ -70,6 +143,39 @@ class Store(Protocol):
         ...
 
     async def get_usage(self, request_id: str) -> UsageRow | None: ...
+
+    async def spend_since_by_scope(self, since: float) -> dict[str, int]:
+        """Summed ``cost_micros`` of usage with ``created_at >= since``, exactly.
+
+        Keys are counter names ``key:<id>``, ``project:<id>``, ``team:<id>``,
+        ``org:<id>``; every non-empty id seen in that usage is present.
+        """
+        ...
+
+    async def usage_summary(
+        self, by: SummaryBy, since: float, until: float | None = None
+    ) -> list[UsageSummary]:
+        """Usage per group from the hourly roll-ups, most expensive first.
+
+        Covers the whole hours overlapping ``[since, until)`` (``since`` is
+        floored to its hour; a partial last hour counts whole).
+        """
+        ...
+
+    async def export_usage(
+        self,
+        since: float,
+        until: float | None,
+        *,
+        after_request_id: str = "",
+        limit: int = 1000,
+    ) -> list[UsageRow]:
+        """A page of rows with ``since <= created_at < until``, by (created_at, request_id).
+
+        Pass the last row's ``request_id`` as ``after_request_id`` for the
+        next page; a page shorter than ``limit`` is the last.
+        """
+        ...
 
     # --- catalog -------------------------------------------------------------
     async def put_model(self, model: ModelRecord) -> None:

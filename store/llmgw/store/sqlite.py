@@ -7,7 +7,16 @@ blocking function run by ``trio.to_thread.run_sync`` under the store's own
 event loop never blocks. Each write is one ``BEGIN IMMEDIATE`` transaction.
 A call that still meets "database is locked" (another process holds the
 write lock past the busy timeout) is retried with exponential back-off and
-jitter before it fails with :class:`~llmgw.store.StoreError`.
+jitter before it fails with :class:`~llmgw.store.StoreError`; a call gives up
+once :data:`LOCKED_DEADLINE_S` has passed, so a write blocked by a lock held
+elsewhere fails within about ``LOCKED_DEADLINE_S + BUSY_TIMEOUT_S`` seconds
+(the usage writer keeps its batch and tries again later) instead of hanging.
+Reads are not blocked by another writer (WAL).
+
+Usage roll-ups: :meth:`SqliteStore.insert_usage` adds each new row into
+``usage_hourly`` (per hour, key, model and tree place) in the same
+transaction; :meth:`~SqliteStore.spend_since_by_scope` and
+:meth:`~SqliteStore.usage_summary` read the roll-ups.
 
 Cancellation: a call that is running in its thread is waited for (trio's
 ``abandon_on_cancel=False``), so a write is never left half done.
@@ -20,13 +29,15 @@ import json
 import logging
 import os
 import random
+import re
+import secrets
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from functools import partial
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any, Final, TypeVar, final
+from typing import Any, Final, TypeVar, cast, final
 
 import trio
 from sqlite_utils import Database
@@ -39,18 +50,45 @@ from ._sqlite_schema import (
     write_transaction,
 )
 from .interface import Conflict, StoreError
-from .records import KeyRecord, Lease, ModelRecord, UsageRow
+from .records import (
+    KeyRecord,
+    Lease,
+    Limits,
+    ModelRecord,
+    Org,
+    Project,
+    ProjectPath,
+    Scope,
+    SummaryBy,
+    Team,
+    UsageRow,
+    UsageSummary,
+)
 
 __all__ = ["SqliteStore", "open_sqlite_store"]
 
 logger = logging.getLogger(__name__)
 
-BUSY_TIMEOUT_S: Final = 5.0
-"""How long SQLite itself waits for another connection's lock, in seconds."""
-LOCKED_ATTEMPTS: Final = 5
-"""Tries per call when SQLite still reports "database is locked"."""
+BUSY_TIMEOUT_S: Final = 1.0
+"""How long SQLite itself waits for another connection's lock, in seconds.
+
+Short on purpose: while a call waits here it holds the store's only
+connection, so reads (key lookups) queue behind it; between tries they run.
+"""
+LOCKED_ATTEMPTS: Final = 10
+"""Most tries per call when SQLite still reports "database is locked"."""
+LOCKED_DEADLINE_S: Final = 5.0
+"""No new try starts this long after a call's first one: a call blocked by a
+lock held elsewhere fails within about ``LOCKED_DEADLINE_S + BUSY_TIMEOUT_S``."""
+OPEN_DEADLINE_S: Final = 120.0
+"""The same for opening, which may wait for another process's migration."""
 LOCKED_FIRST_DELAY_S: Final = 0.05
 LOCKED_MAX_DELAY_S: Final = 1.0
+
+HOUR_S: Final = 3600
+"""The roll-up period, in seconds."""
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 _T = TypeVar("_T")
 
@@ -150,12 +188,119 @@ class SqliteStore:
         """
         return await self._run(partial(_revoke_key, key_id=key_id, at=at))
 
+    async def update_key(self, key: KeyRecord) -> bool:
+        """Replace the key with ``key.id`` by ``key`` (rotation, limits, band, last use).
+
+        Two fields never go back, so a stale copy cannot undo a concurrent
+        change: a revoked key stays revoked (the stored ``revoked_at`` wins
+        when set) and ``last_used_at`` keeps the later of the two times.
+
+        Returns:
+            ``False`` when there is no key with this id (nothing is written).
+
+        Raises:
+            Conflict: ``key.key_hash`` belongs to another key.
+            StoreError: ``key.project_id`` names no project.
+        """
+        return await self._run(partial(_update_key, key=key))
+
+    async def mark_keys_used(self, used: Mapping[str, float]) -> None:
+        """Record last uses (key id → UTC epoch s) in one transaction.
+
+        A time earlier than the one stored is ignored; unknown ids are
+        skipped. Meant for a batch of last uses collected in memory, so the
+        request path never writes per request.
+        """
+        if not used:
+            return
+        await self._run(partial(_mark_keys_used, used=dict(used)))
+
+    # --- tenancy tree --------------------------------------------------------
+    async def ensure_project(
+        self, org: str, team: str, project: str, now: float
+    ) -> tuple[ProjectPath, list[str]]:
+        """Make ``org/team/project`` exist, creating the levels that are missing.
+
+        Names are unique per parent, so an existing team or project is never
+        moved: ``Other/ml`` is a different team from ``Acme/ml``.
+
+        Args:
+            org: the organization's name.
+            team: the team's name within the org.
+            project: the project's name within the team.
+            now: creation time (UTC epoch s) for the levels made now.
+
+        Returns:
+            The project's path, and what was created, top down, e.g.
+            ``["org Acme", "team Acme/ml", "project Acme/ml/train"]``
+            (empty when everything existed).
+
+        Raises:
+            ValueError: a name is not 1 to 64 letters, digits, ``-``, ``_`` or ``.``.
+        """
+        for level, name in (("org", org), ("team", team), ("project", project)):
+            _check_name(level, name)
+        return await self._run(
+            partial(_ensure_project, org=org, team=team, project=project, now=now)
+        )
+
+    async def get_project_path(self, project_id: str) -> ProjectPath | None:
+        """The project with this id and the team and org above it, or ``None``."""
+        return await self._run(partial(_get_project_path, project_id=project_id))
+
+    async def find_project(self, org: str, team: str, project: str) -> ProjectPath | None:
+        """The project at ``org/team/project`` (names), or ``None``."""
+        return await self._run(partial(_find_project, org=org, team=team, project=project))
+
+    async def find_org(self, name: str) -> Org | None:
+        """The organization with this name, or ``None``."""
+        return await self._run(partial(_find_org, name=name))
+
+    async def find_team(self, org: str, name: str) -> Team | None:
+        """The team ``name`` in the organization named ``org``, or ``None``."""
+        return await self._run(partial(_find_team, org=org, name=name))
+
+    async def list_orgs(self) -> list[Org]:
+        """Every organization, by name."""
+        return await self._run(_list_orgs)
+
+    async def list_teams(self) -> list[Team]:
+        """Every team, by org name then team name."""
+        return await self._run(_list_teams)
+
+    async def list_tree(self) -> list[ProjectPath]:
+        """Every project with its path, by org, team and project name.
+
+        Orgs and teams without projects are not here; see :meth:`list_orgs`
+        and :meth:`list_teams`.
+        """
+        return await self._run(_list_tree)
+
+    async def set_limits(self, scope: Scope, id: str, limits: Limits) -> bool:
+        """Replace the limits of the org, team, project or key with this id.
+
+        Returns:
+            ``False`` when there is no such id at that scope.
+
+        Raises:
+            ValueError: ``scope`` is not one of the four.
+        """
+        table = _LIMITS_TABLES.get(scope)
+        if table is None:
+            raise ValueError(f"scope must be one of {sorted(_LIMITS_TABLES)}, not {scope!r}")
+        return await self._run(
+            partial(_set_limits, table=table, id=id, text=_limits_to_json(limits))
+        )
+
     # --- usage ---------------------------------------------------------------
     async def insert_usage(self, rows: Sequence[UsageRow]) -> None:
         """Write a batch of usage rows in one transaction (all or none).
 
         A row whose ``request_id`` is already stored (or repeats earlier in
         the batch) is skipped, so a retried batch is never counted twice.
+        Each new row is also added into the hourly roll-up (hour, key, model
+        = ``served_model`` or else ``model``, and the row's tree ids) in the
+        same transaction.
         """
         if not rows:
             return
@@ -176,6 +321,64 @@ class SqliteStore:
     async def get_usage(self, request_id: str) -> UsageRow | None:
         """The usage row of this request, or ``None``."""
         return await self._run(partial(_get_usage, request_id=request_id))
+
+    async def spend_since_by_scope(self, since: float) -> dict[str, int]:
+        """Summed ``cost_micros`` of usage with ``created_at >= since``, per counter.
+
+        Counters are named ``key:<id>``, ``project:<id>``, ``team:<id>`` and
+        ``org:<id>``; every id seen in such usage is there (with 0 when it
+        cost nothing), empty ids are not. Exact: whole hours come from the
+        roll-ups, the part of an hour after ``since`` from the raw rows.
+        """
+        return await self._run(partial(_spend_since_by_scope, since=since))
+
+    async def usage_summary(
+        self, by: SummaryBy, since: float, until: float | None = None
+    ) -> list[UsageSummary]:
+        """Usage per key, project, team, org or model id, from the hourly roll-ups.
+
+        Covers every whole hour that overlaps ``[since, until)``: ``since``
+        is floored to its hour and a partial last hour counts whole. Usage
+        without a place in the tree is grouped under ``""``. Groups come
+        most expensive first, then by group.
+
+        Raises:
+            ValueError: ``by`` is not one of the five.
+        """
+        column = _SUMMARY_COLUMNS.get(by)
+        if column is None:
+            raise ValueError(f"by must be one of {sorted(_SUMMARY_COLUMNS)}, not {by!r}")
+        return await self._run(partial(_usage_summary, column=column, since=since, until=until))
+
+    async def export_usage(
+        self,
+        since: float,
+        until: float | None,
+        *,
+        after_request_id: str = "",
+        limit: int = 1000,
+    ) -> list[UsageRow]:
+        """One page of usage rows with ``since <= created_at < until``.
+
+        Rows come in ``(created_at, request_id)`` order, read along an index.
+        To stream everything, call again with ``after_request_id`` set to the
+        last row's request id until a page is shorter than ``limit``.
+
+        Raises:
+            ValueError: ``limit`` is negative, or ``after_request_id`` names no
+                stored row (it was pruned meanwhile: start again from its time).
+        """
+        if limit < 0:
+            raise ValueError(f"limit must not be negative, not {limit}")
+        return await self._run(
+            partial(
+                _export_usage,
+                since=since,
+                until=until,
+                after_request_id=after_request_id,
+                limit=limit,
+            )
+        )
 
     # --- catalog -------------------------------------------------------------
     async def put_model(self, model: ModelRecord) -> None:
@@ -275,7 +478,9 @@ async def open_sqlite_store(
     db_path = Path(path)
     directory = packaged_migrations_dir() if migrations_dir is None else migrations_dir
     limiter = trio.CapacityLimiter(1)
-    db = await _call(partial(_open_database, db_path, directory), limiter, db_path)
+    db = await _call(
+        partial(_open_database, db_path, directory), limiter, db_path, deadline_s=OPEN_DEADLINE_S
+    )
     store = SqliteStore(db, db_path, limiter)
     try:
         yield store
@@ -287,8 +492,19 @@ async def open_sqlite_store(
 # --- running calls -----------------------------------------------------------
 
 
-async def _call(fn: Callable[[], _T], limiter: trio.CapacityLimiter, path: Path) -> _T:
-    """Run ``fn`` in a worker thread; retry "database is locked"; wrap errors."""
+async def _call(
+    fn: Callable[[], _T],
+    limiter: trio.CapacityLimiter,
+    path: Path,
+    *,
+    deadline_s: float | None = None,
+) -> _T:
+    """Run ``fn`` in a worker thread; retry "database is locked"; wrap errors.
+
+    No new try starts after ``deadline_s`` (:data:`LOCKED_DEADLINE_S` when
+    ``None``) from the first, nor after :data:`LOCKED_ATTEMPTS` tries.
+    """
+    give_up_at = trio.current_time() + (LOCKED_DEADLINE_S if deadline_s is None else deadline_s)
     delay_s = LOCKED_FIRST_DELAY_S
     attempt = 1
     while True:
@@ -302,16 +518,25 @@ async def _call(fn: Callable[[], _T], limiter: trio.CapacityLimiter, path: Path)
                 raise Conflict(str(exc)) from exc
             raise StoreError(f"SQLite store {path}: {exc}") from exc
         except sqlite3.Error as exc:
-            if not is_busy(exc) or attempt >= LOCKED_ATTEMPTS:
+            sleep_s = delay_s * random.uniform(0.5, 1.5)
+            if (
+                not is_busy(exc)
+                or attempt >= LOCKED_ATTEMPTS
+                or trio.current_time() + sleep_s >= give_up_at
+            ):
+                if is_busy(exc):
+                    raise StoreError(
+                        f"SQLite store {path}: {exc} (gave up after {attempt} tries: another "
+                        "connection holds the write lock)"
+                    ) from exc
                 raise StoreError(f"SQLite store {path}: {exc}") from exc
             logger.warning(
-                "SQLite store %s is locked (try %d of %d); retrying in about %.2f s",
+                "SQLite store %s is locked (try %d); retrying in about %.2f s",
                 path,
                 attempt,
-                LOCKED_ATTEMPTS,
-                delay_s,
+                sleep_s,
             )
-            await trio.sleep(delay_s * random.uniform(0.5, 1.5))
+            await trio.sleep(sleep_s)
             delay_s = min(delay_s * 2, LOCKED_MAX_DELAY_S)
             attempt += 1
         except OSError as exc:
@@ -365,6 +590,31 @@ def _keep_secret(conn: sqlite3.Connection, *, name: str, value: bytes) -> bytes:
     return bytes(rows[0]["value"])
 
 
+def _limits_to_json(limits: Limits) -> str:
+    data: dict[str, object] = {}
+    for name in ("rpm", "tpm", "budget_day_micros", "budget_month_micros"):
+        value = getattr(limits, name)
+        if value is not None:
+            data[name] = value
+    if limits.models is not None:
+        data["models"] = list(limits.models)
+    return json.dumps(data, separators=(",", ":"))
+
+
+def _limits_from_json(text: str) -> Limits:
+    data = json.loads(text) if text else {}
+    if not isinstance(data, dict):
+        raise StoreError(f"stored limits are not a JSON object: {text!r}")
+    # Members a later llmgw may add are ignored here.
+    return Limits(
+        rpm=data.get("rpm"),
+        tpm=data.get("tpm"),
+        budget_day_micros=data.get("budget_day_micros"),
+        budget_month_micros=data.get("budget_month_micros"),
+        models=data.get("models"),
+    )
+
+
 def _key_from_row(row: sqlite3.Row) -> KeyRecord:
     return KeyRecord(
         id=row["id"],
@@ -375,24 +625,62 @@ def _key_from_row(row: sqlite3.Row) -> KeyRecord:
         is_admin=bool(row["is_admin"]),
         revoked_at=row["revoked_at"],
         expires_at=row["expires_at"],
+        project_id=row["project_id"],
+        band=row["band"],
+        limits=_limits_from_json(row["limits"]),
+        last_used_at=row["last_used_at"],
     )
+
+
+def _key_params(key: KeyRecord) -> dict[str, object]:
+    return {
+        "id": key.id,
+        "name": key.name,
+        "key_hash": key.key_hash,
+        "prefix": key.prefix,
+        "created_at": key.created_at,
+        "is_admin": int(key.is_admin),
+        "revoked_at": key.revoked_at,
+        "expires_at": key.expires_at,
+        "project_id": key.project_id,
+        "band": key.band,
+        "limits": _limits_to_json(key.limits),
+        "last_used_at": key.last_used_at,
+    }
 
 
 def _insert_key(conn: sqlite3.Connection, *, key: KeyRecord) -> None:
     with write_transaction(conn):
         conn.execute(
             "INSERT INTO keys (id, name, key_hash, prefix, created_at, is_admin, revoked_at,"
-            " expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                key.id,
-                key.name,
-                key.key_hash,
-                key.prefix,
-                key.created_at,
-                int(key.is_admin),
-                key.revoked_at,
-                key.expires_at,
-            ),
+            " expires_at, project_id, band, limits, last_used_at) VALUES (:id, :name,"
+            " :key_hash, :prefix, :created_at, :is_admin, :revoked_at, :expires_at,"
+            " :project_id, :band, :limits, :last_used_at)",
+            _key_params(key),
+        )
+
+
+def _update_key(conn: sqlite3.Connection, *, key: KeyRecord) -> bool:
+    with write_transaction(conn):
+        cursor = conn.execute(
+            "UPDATE keys SET name = :name, key_hash = :key_hash, prefix = :prefix,"
+            " created_at = :created_at, is_admin = :is_admin,"
+            " revoked_at = coalesce(revoked_at, :revoked_at), expires_at = :expires_at,"
+            " project_id = :project_id, band = :band, limits = :limits,"
+            " last_used_at = CASE WHEN last_used_at IS NULL THEN :last_used_at"
+            " WHEN :last_used_at IS NULL THEN last_used_at"
+            " ELSE max(last_used_at, :last_used_at) END"
+            " WHERE id = :id",
+            _key_params(key),
+        )
+    return cursor.rowcount == 1
+
+
+def _mark_keys_used(conn: sqlite3.Connection, *, used: dict[str, float]) -> None:
+    with write_transaction(conn):
+        conn.executemany(
+            "UPDATE keys SET last_used_at = max(coalesce(last_used_at, :at), :at) WHERE id = :id",
+            [{"id": key_id, "at": at} for key_id, at in used.items()],
         )
 
 
@@ -429,19 +717,51 @@ def _usage_from_row(row: sqlite3.Row) -> UsageRow:
         replica_id=row["replica_id"],
         stream=bool(row["stream"]),
         endpoint=row["endpoint"],
+        project_id=row["project_id"],
+        team_id=row["team_id"],
+        org_id=row["org_id"],
+        served_model=row["served_model"],
+        images=row["images"],
+        meshes=row["meshes"],
+        cost_micros=row["cost_micros"],
     )
 
 
+def hour_of(at: float) -> int:
+    """``at`` (UTC epoch s) floored to its hour, as the roll-ups key it."""
+    return int(at // HOUR_S) * HOUR_S
+
+
+_INSERT_USAGE = (
+    "INSERT INTO usage (request_id, created_at, key_id, model, status, prompt_tokens,"
+    " cached_tokens, completion_tokens, duration_ms, ttft_ms, replica_id, stream, endpoint,"
+    " project_id, team_id, org_id, served_model, images, meshes, cost_micros)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    # Only a repeated request id is skipped; any other bad row fails the batch.
+    " ON CONFLICT (request_id) DO NOTHING"
+)
+
+_ADD_HOURLY = (
+    "INSERT INTO usage_hourly (hour, key_id, model, project_id, team_id, org_id, requests,"
+    " prompt_tokens, cached_tokens, completion_tokens, cost_micros)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " ON CONFLICT (hour, key_id, model, project_id, team_id, org_id) DO UPDATE SET"
+    " requests = requests + excluded.requests,"
+    " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+    " cached_tokens = cached_tokens + excluded.cached_tokens,"
+    " completion_tokens = completion_tokens + excluded.completion_tokens,"
+    " cost_micros = cost_micros + excluded.cost_micros"
+)
+
+
 def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
-    # ON CONFLICT (request_id) DO NOTHING rather than INSERT OR IGNORE: only a
-    # repeated request id is skipped; any other bad row still fails the batch.
+    # One statement per row, to learn which rows were new (rowcount 1): only
+    # those go into the roll-ups, which are then added once per group.
+    hourly: dict[tuple[int, str, str, str, str, str], list[int]] = {}
     with write_transaction(conn):
-        conn.executemany(
-            "INSERT INTO usage (request_id, created_at, key_id, model, status, prompt_tokens,"
-            " cached_tokens, completion_tokens, duration_ms, ttft_ms, replica_id, stream,"
-            " endpoint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (request_id) DO NOTHING",
-            [
+        for r in rows:
+            cursor = conn.execute(
+                _INSERT_USAGE,
                 (
                     r.request_id,
                     r.created_at,
@@ -456,10 +776,32 @@ def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
                     r.replica_id,
                     int(r.stream),
                     r.endpoint,
-                )
-                for r in rows
-            ],
-        )
+                    r.project_id,
+                    r.team_id,
+                    r.org_id,
+                    r.served_model,
+                    r.images,
+                    r.meshes,
+                    r.cost_micros,
+                ),
+            )
+            if cursor.rowcount != 1:
+                continue
+            group = (
+                hour_of(r.created_at),
+                r.key_id,
+                r.served_model or r.model,
+                r.project_id,
+                r.team_id,
+                r.org_id,
+            )
+            sums = hourly.setdefault(group, [0, 0, 0, 0, 0])
+            sums[0] += 1
+            sums[1] += r.prompt_tokens
+            sums[2] += r.cached_tokens
+            sums[3] += r.completion_tokens
+            sums[4] += r.cost_micros
+        conn.executemany(_ADD_HOURLY, [(*group, *sums) for group, sums in hourly.items()])
 
 
 def _list_usage(conn: sqlite3.Connection, *, last: int, key_id: str | None) -> list[UsageRow]:
@@ -479,6 +821,264 @@ def _list_usage(conn: sqlite3.Connection, *, last: int, key_id: str | None) -> l
 def _get_usage(conn: sqlite3.Connection, *, request_id: str) -> UsageRow | None:
     rows = _rows(conn, "SELECT * FROM usage WHERE request_id = ?", (request_id,))
     return _usage_from_row(rows[0]) if rows else None
+
+
+def _spend_since_by_scope(conn: sqlite3.Connection, *, since: float) -> dict[str, int]:
+    first_whole_hour = since if since % HOUR_S == 0 else hour_of(since) + HOUR_S
+    groups = _rows(
+        conn,
+        "SELECT key_id, project_id, team_id, org_id, sum(cost_micros) AS cost FROM usage"
+        " WHERE created_at >= ? AND created_at < ? GROUP BY key_id, project_id, team_id, org_id",
+        (since, first_whole_hour),
+    ) + _rows(
+        conn,
+        "SELECT key_id, project_id, team_id, org_id, sum(cost_micros) AS cost FROM usage_hourly"
+        " WHERE hour >= ? GROUP BY key_id, project_id, team_id, org_id",
+        (first_whole_hour,),
+    )
+    spend: dict[str, int] = {}
+    for row in groups:
+        for scope, column in (
+            ("key", "key_id"),
+            ("project", "project_id"),
+            ("team", "team_id"),
+            ("org", "org_id"),
+        ):
+            if row[column]:
+                counter = f"{scope}:{row[column]}"
+                spend[counter] = spend.get(counter, 0) + int(row["cost"])
+    return spend
+
+
+_SUMMARY_COLUMNS: Final[dict[str, str]] = {
+    "key": "key_id",
+    "project": "project_id",
+    "team": "team_id",
+    "org": "org_id",
+    "model": "model",
+}
+
+
+def _usage_summary(
+    conn: sqlite3.Connection, *, column: str, since: float, until: float | None
+) -> list[UsageSummary]:
+    # ``column`` comes from _SUMMARY_COLUMNS, never from user input.
+    sql = (
+        f"SELECT {column} AS grp, sum(requests) AS requests, sum(prompt_tokens) AS prompt,"
+        " sum(cached_tokens) AS cached, sum(completion_tokens) AS completion,"
+        " sum(cost_micros) AS cost FROM usage_hourly WHERE hour >= ?"
+    )
+    params: list[object] = [hour_of(since)]
+    if until is not None:
+        sql += " AND hour < ?"
+        params.append(until)
+    sql += " GROUP BY grp ORDER BY cost DESC, grp"
+    return [
+        UsageSummary(
+            group=row["grp"],
+            requests=row["requests"],
+            prompt_tokens=row["prompt"],
+            cached_tokens=row["cached"],
+            completion_tokens=row["completion"],
+            cost_micros=row["cost"],
+        )
+        for row in _rows(conn, sql, params)
+    ]
+
+
+def _export_usage(
+    conn: sqlite3.Connection,
+    *,
+    since: float,
+    until: float | None,
+    after_request_id: str,
+    limit: int,
+) -> list[UsageRow]:
+    where = ["created_at >= :since"]
+    params: dict[str, object] = {"since": since, "limit": limit}
+    if until is not None:
+        where.append("created_at < :until")
+        params["until"] = until
+    if after_request_id:
+        found = _rows(
+            conn, "SELECT created_at FROM usage WHERE request_id = ?", (after_request_id,)
+        )
+        if not found:
+            raise ValueError(f"after_request_id {after_request_id!r} names no stored usage row")
+        where.append("(created_at, request_id) > (:after_at, :after_id)")
+        params["after_at"] = found[0]["created_at"]
+        params["after_id"] = after_request_id
+    rows = _rows(
+        conn,
+        f"SELECT * FROM usage WHERE {' AND '.join(where)}"
+        " ORDER BY created_at, request_id LIMIT :limit",
+        params,
+    )
+    return [_usage_from_row(r) for r in rows]
+
+
+# --- the tree ----------------------------------------------------------------
+
+_LIMITS_TABLES: Final[dict[str, str]] = {
+    "org": "orgs",
+    "team": "teams",
+    "project": "projects",
+    "key": "keys",
+}
+
+_PATH_SELECT = (
+    "SELECT o.id AS o_id, o.name AS o_name, o.limits AS o_limits, o.created_at AS o_created,"
+    " t.id AS t_id, t.name AS t_name, t.limits AS t_limits, t.created_at AS t_created,"
+    " p.id AS p_id, p.name AS p_name, p.limits AS p_limits, p.created_at AS p_created"
+    " FROM projects AS p JOIN teams AS t ON t.id = p.team_id JOIN orgs AS o ON o.id = t.org_id"
+)
+
+
+def _check_name(level: str, name: str) -> None:
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+        raise ValueError(f"{level} name {name!r} must be 1 to 64 letters, digits, '-', '_' or '.'")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+def _org_from_row(row: sqlite3.Row) -> Org:
+    return Org(
+        id=row["id"],
+        name=row["name"],
+        limits=_limits_from_json(row["limits"]),
+        created_at=row["created_at"],
+    )
+
+
+def _team_from_row(row: sqlite3.Row) -> Team:
+    return Team(
+        id=row["id"],
+        org_id=row["org_id"],
+        name=row["name"],
+        limits=_limits_from_json(row["limits"]),
+        created_at=row["created_at"],
+    )
+
+
+def _path_from_row(row: sqlite3.Row) -> ProjectPath:
+    org = Org(
+        id=row["o_id"],
+        name=row["o_name"],
+        limits=_limits_from_json(row["o_limits"]),
+        created_at=row["o_created"],
+    )
+    team = Team(
+        id=row["t_id"],
+        org_id=org.id,
+        name=row["t_name"],
+        limits=_limits_from_json(row["t_limits"]),
+        created_at=row["t_created"],
+    )
+    project = Project(
+        id=row["p_id"],
+        team_id=team.id,
+        name=row["p_name"],
+        limits=_limits_from_json(row["p_limits"]),
+        created_at=row["p_created"],
+    )
+    return ProjectPath(org=org, team=team, project=project)
+
+
+def _ensure_project(
+    conn: sqlite3.Connection, *, org: str, team: str, project: str, now: float
+) -> tuple[ProjectPath, list[str]]:
+    created: list[str] = []
+    with write_transaction(conn):
+        found = _rows(conn, "SELECT id FROM orgs WHERE name = ?", (org,))
+        if found:
+            org_id = cast(str, found[0]["id"])
+        else:
+            org_id = _new_id("org")
+            conn.execute(
+                "INSERT INTO orgs (id, name, created_at) VALUES (?, ?, ?)", (org_id, org, now)
+            )
+            created.append(f"org {org}")
+        found = _rows(conn, "SELECT id FROM teams WHERE org_id = ? AND name = ?", (org_id, team))
+        if found:
+            team_id = cast(str, found[0]["id"])
+        else:
+            team_id = _new_id("team")
+            conn.execute(
+                "INSERT INTO teams (id, org_id, name, created_at) VALUES (?, ?, ?, ?)",
+                (team_id, org_id, team, now),
+            )
+            created.append(f"team {org}/{team}")
+        found = _rows(
+            conn, "SELECT id FROM projects WHERE team_id = ? AND name = ?", (team_id, project)
+        )
+        if found:
+            project_id = cast(str, found[0]["id"])
+        else:
+            project_id = _new_id("proj")
+            conn.execute(
+                "INSERT INTO projects (id, team_id, name, created_at) VALUES (?, ?, ?, ?)",
+                (project_id, team_id, project, now),
+            )
+            created.append(f"project {org}/{team}/{project}")
+        rows = _rows(conn, f"{_PATH_SELECT} WHERE p.id = ?", (project_id,))
+    return _path_from_row(rows[0]), created
+
+
+def _get_project_path(conn: sqlite3.Connection, *, project_id: str) -> ProjectPath | None:
+    rows = _rows(conn, f"{_PATH_SELECT} WHERE p.id = ?", (project_id,))
+    return _path_from_row(rows[0]) if rows else None
+
+
+def _find_project(
+    conn: sqlite3.Connection, *, org: str, team: str, project: str
+) -> ProjectPath | None:
+    rows = _rows(
+        conn,
+        f"{_PATH_SELECT} WHERE o.name = ? AND t.name = ? AND p.name = ?",
+        (org, team, project),
+    )
+    return _path_from_row(rows[0]) if rows else None
+
+
+def _find_org(conn: sqlite3.Connection, *, name: str) -> Org | None:
+    rows = _rows(conn, "SELECT * FROM orgs WHERE name = ?", (name,))
+    return _org_from_row(rows[0]) if rows else None
+
+
+def _find_team(conn: sqlite3.Connection, *, org: str, name: str) -> Team | None:
+    rows = _rows(
+        conn,
+        "SELECT t.* FROM teams AS t JOIN orgs AS o ON o.id = t.org_id"
+        " WHERE o.name = ? AND t.name = ?",
+        (org, name),
+    )
+    return _team_from_row(rows[0]) if rows else None
+
+
+def _list_orgs(conn: sqlite3.Connection) -> list[Org]:
+    return [_org_from_row(r) for r in _rows(conn, "SELECT * FROM orgs ORDER BY name")]
+
+
+def _list_teams(conn: sqlite3.Connection) -> list[Team]:
+    rows = _rows(
+        conn,
+        "SELECT t.* FROM teams AS t JOIN orgs AS o ON o.id = t.org_id ORDER BY o.name, t.name",
+    )
+    return [_team_from_row(r) for r in rows]
+
+
+def _list_tree(conn: sqlite3.Connection) -> list[ProjectPath]:
+    rows = _rows(conn, f"{_PATH_SELECT} ORDER BY o.name, t.name, p.name")
+    return [_path_from_row(r) for r in rows]
+
+
+def _set_limits(conn: sqlite3.Connection, *, table: str, id: str, text: str) -> bool:
+    # ``table`` comes from _LIMITS_TABLES, never from user input.
+    with write_transaction(conn):
+        cursor = conn.execute(f"UPDATE {table} SET limits = ? WHERE id = ?", (text, id))
+    return cursor.rowcount == 1
 
 
 def _model_from_row(row: sqlite3.Row) -> ModelRecord:

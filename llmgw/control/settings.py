@@ -1,0 +1,141 @@
+"""Server settings: ``server.yaml`` read through a cattrs converter that
+refuses unknown keys, naming their path.
+
+Only the ``auth`` block exists yet (``shared/spec/accounting.md``,
+``tenancy-and-keys.md``)::
+
+    auth:
+      default_rpm: 60            # requests a minute for keys with no limit on their path
+      default_tpm: 200000        # tokens a minute, likewise
+      max_key_ttl: 90d           # longest key life and the expiry of keys made without one
+      default_price: {prompt_per_1k: 0, completion_per_1k: 0}
+      pricing:                   # per model, integer micro-units per 1,000 tokens
+        gemma-3-270m: {prompt_per_1k: 100, cached_per_1k: 10, completion_per_1k: 400}
+      flush_interval: 1s         # usage writer
+      batch_size: 500
+      buffer_size: 10000
+      cache_ttl: 5s              # key lookups trusted this long
+
+Durations are numbers of seconds or strings like ``45s``, ``30m``, ``12h``,
+``90d``. ``llmgw up`` reads ``DATA_DIR/server.yaml`` when it exists (or
+``--config FILE``); live settings in the store come with the catalog work.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final, Optional
+
+import attrs
+import cattrs
+import yaml
+
+from llmgw.accounting.prices import Price
+
+__all__ = ["AuthSettings", "ServerSettings", "SettingsError", "load_settings", "parse_duration_s"]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT_S: Final = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+class SettingsError(ValueError):
+    """A settings file is not valid; the message names the key's path."""
+
+
+def parse_duration_s(value: object) -> float:
+    """Seconds in ``value``: a number, or ``"45s"``, ``"30m"``, ``"12h"``, ``"90d"``.
+
+    Raises:
+        ValueError: anything else, or a negative duration.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.match(value)):
+        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    else:
+        raise ValueError(f"{value!r} is not a duration like 45s, 30m, 12h or 90d")
+    if seconds < 0:
+        raise ValueError(f"{value!r} is negative")
+    return seconds
+
+
+def _duration_field(default: float | None) -> Any:
+    return attrs.field(default=default, converter=attrs.converters.optional(parse_duration_s))
+
+
+def _positive(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must not be negative")
+
+
+@attrs.frozen(kw_only=True)
+class AuthSettings:
+    """The ``auth`` block; see the module docstring for each key. Durations
+    (``max_key_ttl``, ``flush_interval``, ``cache_ttl``) are in seconds; the
+    names are the spec's setting names."""
+
+    default_rpm: int | None = attrs.field(default=60, validator=_positive)
+    default_tpm: int | None = attrs.field(default=200_000, validator=_positive)
+    max_key_ttl: float | None = _duration_field(None)
+    default_price: Price = attrs.field(factory=Price)
+    pricing: Mapping[str, Price] = attrs.field(factory=dict)
+    flush_interval: float = _duration_field(1.0)
+    batch_size: int = attrs.field(default=500, validator=attrs.validators.ge(1))
+    buffer_size: int = attrs.field(default=10_000, validator=attrs.validators.ge(1))
+    cache_ttl: float = _duration_field(5.0)
+
+
+@attrs.frozen(kw_only=True)
+class ServerSettings:
+    auth: AuthSettings = attrs.field(factory=AuthSettings)
+
+
+def _make_converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    converter.register_structure_hook(int, _strict_number(int))
+    # Every float in the settings is a duration: a number or "45s", "90d".
+    converter.register_structure_hook_func(
+        lambda t: t in (float, float | None, Optional[float]),  # noqa: UP045
+        lambda value, _: None if value is None else parse_duration_s(value),
+    )
+    return converter
+
+
+def _strict_number(kind: type[Any]) -> Any:
+    def structure(value: Any, _: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"expected a number, got {value!r}")
+        if kind is int and not isinstance(value, int):
+            raise TypeError(f"expected a whole number, got {value!r}")
+        return kind(value)
+
+    return structure
+
+
+_converter = _make_converter()
+
+
+def load_settings(path: Path | None) -> ServerSettings:
+    """The settings in ``path``, or the defaults when ``path`` is None.
+
+    Raises:
+        SettingsError: unreadable YAML, an unknown key or a bad value, with
+            the key's path (``auth.pricing.gemma.prompt_per_1k: …``).
+    """
+    if path is None:
+        return ServerSettings()
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SettingsError(f"{path}: {exc}") from exc
+    try:
+        return _converter.structure(doc, ServerSettings)
+    except cattrs.BaseValidationError as exc:
+        messages = "; ".join(cattrs.transform_error(exc, path=""))
+        raise SettingsError(f"{path}: {messages.replace('$.', '').replace(' @ ', ' at ')}") from exc
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{path}: {exc}") from exc

@@ -1,0 +1,60 @@
+"""server.yaml: defaults, durations, prices, and unknown keys refused by path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmgw.accounting.prices import Price
+from llmgw.control.settings import SettingsError, load_settings, parse_duration_s
+
+
+def test_without_a_file_the_spec_defaults_apply() -> None:
+    auth = load_settings(None).auth
+    assert (auth.default_rpm, auth.default_tpm) == (60, 200_000)
+    assert auth.max_key_ttl is None
+    assert auth.default_price == Price()
+
+
+def test_durations_prices_and_limits_are_read_from_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "server.yaml"
+    path.write_text(
+        "auth:\n  default_rpm: 10\n  max_key_ttl: 90d\n  flush_interval: 500ms\n".replace(
+            "500ms", "0.5"
+        )
+        + "  pricing:\n"
+        "    m: {prompt_per_1k: 2500, cached_per_1k: 250, completion_per_1k: 10000}\n"
+    )
+    auth = load_settings(path).auth
+    assert auth.default_rpm == 10
+    assert auth.max_key_ttl == 90 * 86400
+    assert auth.flush_interval == 0.5
+    assert auth.pricing["m"] == Price(
+        prompt_per_1k=2500, cached_per_1k=250, completion_per_1k=10000
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("auth:\n  default_rmp: 10\n", "default_rmp"),
+        ("auth:\n  pricing:\n    m: {prompt_per_1k: 1.5}\n", "prompt_per_1k"),
+        ("nonsense: 1\n", "nonsense"),
+        ("auth:\n  max_key_ttl: forever\n", "max_key_ttl"),
+    ],
+)
+def test_a_bad_file_is_refused_naming_the_key(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "server.yaml"
+    path.write_text(text)
+    with pytest.raises(SettingsError, match=needle):
+        load_settings(path)
+
+
+def test_duration_forms() -> None:
+    assert parse_duration_s("45s") == 45
+    assert parse_duration_s("30m") == 1800
+    assert parse_duration_s("12h") == 43200
+    assert parse_duration_s(7) == 7
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration_s("soon")
