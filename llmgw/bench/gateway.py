@@ -7,8 +7,10 @@ instead of a reconciler and agents. Modes (``shared/spec/gateway-api.md``,
 Reference figures):
 
 - ``bare``: a key, no accounting (no usage rows);
-- ``accounted``: the key and a usage row per request, written by the
-  batching writer into a SQLite store, as ``llmgw up`` does.
+- ``accounted``: what ``llmgw up`` does per request: the key's path in the
+  tenancy tree, its rate limits and budgets checked and settled at every
+  level (set high enough never to refuse), the cost at a price, and a usage
+  row written by the batching writer into a SQLite store.
 
 On start it prints one JSON line to stdout: ``{"listen": "HOST:PORT",
 "key": "sk-llmgw-…", "pid": N}``; it runs until SIGTERM or SIGINT.
@@ -24,18 +26,25 @@ from pathlib import Path
 from typing import Final
 from urllib.parse import urlsplit
 
+import attrs
 import trio
 
+from llmgw.accounting.accountant import Accountant
+from llmgw.accounting.prices import Price, PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.auth.keys import KeyAuthenticator, new_key
+from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster, Endpoint
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
 from llmgw.store import ModelRecord, open_store
+from llmgw.store.records import Limits
 
 __all__ = ["MODES", "run_bench_gateway"]
 
 MODES: Final = ("bare", "accounted")
+#: A price for the benchmark's model, so costs and budgets are computed.
+BENCH_PRICE: Final = Price(prompt_per_1k=100, cached_per_1k=10, completion_per_1k=400)
 
 
 async def run_bench_gateway(
@@ -59,8 +68,19 @@ async def run_bench_gateway(
         raise ValueError(f"--engine-url {engine_url!r} needs a host and a port")
     stop = trio.Event()
     async with open_store(str(data_dir / "llmgw.db")) as store:
+        now = time.time()
+        path, _ = await store.ensure_project("bench", "bench", mode, now)
+        # Limits high enough never to refuse, set at every level, so the
+        # accounted mode runs every counter a real tenant would.
+        roomy = Limits(rpm=10**9, tpm=10**12, budget_day_micros=10**15, budget_month_micros=10**16)
+        for scope, level_id in (
+            ("org", path.org.id),
+            ("team", path.team.id),
+            ("project", path.project.id),
+        ):
+            await store.set_limits(scope, level_id, roomy)  # type: ignore[arg-type]
         secret, record = new_key(f"bench-{mode}")
-        await store.insert_key(record)
+        await store.insert_key(attrs.evolve(record, project_id=path.project.id, limits=roomy))
         cluster = Cluster()
         cluster.is_leader = True
         cluster.models = {model: ModelRecord(name=model, engine="sim", created_at=time.time())}
@@ -76,11 +96,14 @@ async def run_bench_gateway(
             ]
         }
         usage = UsageWriter()
+        accounted = mode == "accounted"
         gateway = Gateway(
             authenticator=KeyAuthenticator(store),
             cluster=cluster,
             usage=usage,
-            accounting=mode == "accounted",
+            accounting=accounted,
+            accountant=Accountant(PriceBook({model: BENCH_PRICE})) if accounted else None,
+            resolver=ScopeResolver(store) if accounted else None,
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, stop)
