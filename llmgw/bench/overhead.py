@@ -37,7 +37,13 @@ from llmgw.engines.testing import read_line, stop_process
 
 from .load import LoadConfig, LoadResult, run_load
 
-__all__ = ["DEFAULT_RATES", "OverheadRow", "run_overhead"]
+__all__ = [
+    "DEFAULT_RATES",
+    "OverheadRow",
+    "run_overhead",
+    "start_bench_gateway",
+    "start_sim_engine",
+]
 
 DEFAULT_RATES: Final = (50.0, 100.0, 200.0, 300.0, 400.0, 600.0, 800.0, 1000.0)
 #: The engine streams this many tokens at this rate (the issue's setup).
@@ -138,6 +144,74 @@ def _cpu_s(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+async def start_sim_engine(
+    engine_key: str, cores: set[int] | None, env: dict[str, str]
+) -> tuple[trio.Process, str]:
+    """Start the sim engine (64-token answers at 500 tokens/s) with ``engine_key``,
+    pinned to ``cores``; return the process and its base URL."""
+    process, line = await _start(
+        _argv(
+            [
+                sys.executable,
+                "-m",
+                "llmgw.engines.sim",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--model",
+                MODEL,
+                "--tokens",
+                str(ENGINE_TOKENS),
+                "--tokens-per-second",
+                str(ENGINE_TOKENS_PER_S),
+            ],
+            cores,
+        ),
+        {**env, "LLAMA_API_KEY": engine_key},
+    )
+    return process, "http://" + line.split(" listening on ", 1)[1].split()[0]
+
+
+async def start_bench_gateway(
+    engine_url: str,
+    engine_key: str,
+    mode: str,
+    data_dir: Path,
+    cores: set[int] | None,
+    env: dict[str, str],
+) -> tuple[trio.Process, dict[str, Any]]:
+    """Start ``llmgw bench gateway`` in front of the engine, pinned to
+    ``cores``; return the process and its first line (``listen``, ``key``, ``pid``)."""
+    process, first = await _start(
+        _argv(
+            [
+                sys.executable,
+                "-m",
+                "llmgw.cli",
+                "bench",
+                "gateway",
+                "--engine-url",
+                engine_url,
+                "--engine-key",
+                engine_key,
+                "--model",
+                MODEL,
+                "--mode",
+                mode,
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(data_dir),
+            ],
+            cores,
+        ),
+        env,
+    )
+    info: dict[str, Any] = orjson.loads(first)
+    return process, info
+
+
 async def run_overhead(
     *,
     rates: Sequence[float] = DEFAULT_RATES,
@@ -167,57 +241,13 @@ async def run_overhead(
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_API_KEY"}
     rows: list[OverheadRow] = []
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as scratch:
-        engine, line = await _start(
-            _argv(
-                [
-                    sys.executable,
-                    "-m",
-                    "llmgw.engines.sim",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--model",
-                    MODEL,
-                    "--tokens",
-                    str(ENGINE_TOKENS),
-                    "--tokens-per-second",
-                    str(ENGINE_TOKENS_PER_S),
-                ],
-                engine_cores,
-            ),
-            {**env, "LLAMA_API_KEY": engine_key},
-        )
+        engine, engine_url = await start_sim_engine(engine_key, engine_cores, env)
         gateways: dict[str, tuple[trio.Process, dict[str, Any]]] = {}
         try:
-            engine_url = "http://" + line.split(" listening on ", 1)[1].split()[0]
             for mode in modes:
-                process, first = await _start(
-                    _argv(
-                        [
-                            sys.executable,
-                            "-m",
-                            "llmgw.cli",
-                            "bench",
-                            "gateway",
-                            "--engine-url",
-                            engine_url,
-                            "--engine-key",
-                            engine_key,
-                            "--model",
-                            MODEL,
-                            "--mode",
-                            mode,
-                            "--listen",
-                            "127.0.0.1:0",
-                            "--data-dir",
-                            str(Path(scratch) / mode),
-                        ],
-                        gateway_cores,
-                    ),
-                    env,
+                gateways[mode] = await start_bench_gateway(
+                    engine_url, engine_key, mode, Path(scratch) / mode, gateway_cores, env
                 )
-                gateways[mode] = (process, orjson.loads(first))
             saturated: set[str] = set()
             for rate in rates:
                 if len(saturated) == len(modes):

@@ -31,6 +31,7 @@ from llmgw.admin.app import make_admin_app
 from llmgw.admin.keys import KeysService
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
+from llmgw.engines.asgi import answer_lifespan
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
 from llmgw.store import Store, StoreError
@@ -124,13 +125,8 @@ def _with_lifespan(app: Any) -> Any:
 
     async def wrapped(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         await app(scope, receive, send)
 
     return wrapped

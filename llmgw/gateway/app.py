@@ -31,6 +31,7 @@ from llmgw.accounting.usage import UsageWriter
 from llmgw.auth.keys import KeyAuthenticator, KeyRefused
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster, Endpoint
+from llmgw.engines.asgi import answer_lifespan
 from llmgw.store import KeyRecord, StoreError, UsageRow
 
 from .errors import ApiError, bad_request, unauthorized
@@ -116,7 +117,7 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "lifespan":
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         if kind != "http":
             return
@@ -546,16 +547,6 @@ async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> No
         message = await receive()
         if message["type"] == "http.disconnect":
             scope.cancel()
-            return
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
             return
 
 

@@ -57,7 +57,7 @@ import orjson
 import trio
 
 from llmgw.bench.load import LoadConfig, LoadResult, run_load
-from llmgw.bench.overhead import _argv, _cpu_s, _start
+from llmgw.bench.overhead import _argv, _cpu_s, start_bench_gateway, start_sim_engine
 from llmgw.engines.testing import stop_process
 
 #: The LiteLLM release measured; change it here to measure another.
@@ -345,32 +345,9 @@ async def start_llmgw(
     """Start ``llmgw bench gateway --mode accounted`` (a key checked and a usage
     row written per request)."""
     data_dir = Path(tempfile.mkdtemp(prefix="llmgw-", dir=scratch))
-    process, line = await _start(
-        _argv(
-            [
-                sys.executable,
-                "-m",
-                "llmgw.cli",
-                "bench",
-                "gateway",
-                "--engine-url",
-                engine_url,
-                "--engine-key",
-                engine_key,
-                "--model",
-                MODEL,
-                "--mode",
-                "accounted",
-                "--listen",
-                f"{HOST}:0",
-                "--data-dir",
-                str(data_dir),
-            ],
-            cores,
-        ),
-        env,
+    process, info = await start_bench_gateway(
+        engine_url, engine_key, "accounted", data_dir, cores, env
     )
-    info = orjson.loads(line)
     return Sut("llmgw", process, f"http://{info['listen']}", info["key"])
 
 
@@ -543,29 +520,8 @@ async def compare(
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="llmgw-compare-") as scratch_name:
         scratch = Path(scratch_name)
-        engine, line = await _start(
-            _argv(
-                [
-                    sys.executable,
-                    "-m",
-                    "llmgw.engines.sim",
-                    "--host",
-                    HOST,
-                    "--port",
-                    "0",
-                    "--model",
-                    MODEL,
-                    "--tokens",
-                    str(ENGINE_TOKENS),
-                    "--tokens-per-second",
-                    str(ENGINE_TOKENS_PER_S),
-                ],
-                engine_cores,
-            ),
-            {**env, "LLAMA_API_KEY": engine_key},
-        )
+        engine, engine_url = await start_sim_engine(engine_key, engine_cores, env)
         try:
-            engine_url = "http://" + line.split(" listening on ", 1)[1].split()[0]
             for concurrency in concurrencies:
                 for system in systems:
                     if system == "engine alone":

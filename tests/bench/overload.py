@@ -17,16 +17,14 @@ import argparse
 import json
 import os
 import secrets
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import orjson
 import trio
 
 from llmgw.bench.load import LoadConfig, run_load
-from llmgw.bench.overhead import ENGINE_TOKENS, ENGINE_TOKENS_PER_S, MODEL, _argv, _cores, _start
+from llmgw.bench.overhead import MODEL, _cores, start_bench_gateway, start_sim_engine
 from llmgw.engines.testing import stop_process
 
 
@@ -48,56 +46,12 @@ async def overload(duration_s: float, concurrency: int) -> dict[str, Any]:
     engine_key = secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_API_KEY"}
     with tempfile.TemporaryDirectory(prefix="llmgw-overload-") as scratch:
-        engine, line = await _start(
-            _argv(
-                [
-                    sys.executable,
-                    "-m",
-                    "llmgw.engines.sim",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--model",
-                    MODEL,
-                    "--tokens",
-                    str(ENGINE_TOKENS),
-                    "--tokens-per-second",
-                    str(ENGINE_TOKENS_PER_S),
-                ],
-                engine_cores,
-            ),
-            {**env, "LLAMA_API_KEY": engine_key},
-        )
+        engine, engine_url = await start_sim_engine(engine_key, engine_cores, env)
         try:
-            engine_url = "http://" + line.split(" listening on ", 1)[1].split()[0]
-            gateway, first = await _start(
-                _argv(
-                    [
-                        sys.executable,
-                        "-m",
-                        "llmgw.cli",
-                        "bench",
-                        "gateway",
-                        "--engine-url",
-                        engine_url,
-                        "--engine-key",
-                        engine_key,
-                        "--model",
-                        MODEL,
-                        "--mode",
-                        "accounted",
-                        "--listen",
-                        "127.0.0.1:0",
-                        "--data-dir",
-                        scratch,
-                    ],
-                    gateway_cores,
-                ),
-                env,
+            gateway, info = await start_bench_gateway(
+                engine_url, engine_key, "accounted", Path(scratch), gateway_cores, env
             )
             try:
-                info = orjson.loads(first)
                 url = f"http://{info['listen']}"
                 # One light run first, so pools and caches exist before "before".
                 await run_load(

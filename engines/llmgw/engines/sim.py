@@ -53,6 +53,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from llmgw.engines.asgi import answer_lifespan
 from llmgw.engines.base import Command, ShardLaunch, engine_env
 
 __all__ = [
@@ -426,17 +427,7 @@ class SimEngine:
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "lifespan":
-            await self._lifespan(receive, send)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        # hypercorn 0.18 crashes at start if the app just returns here.
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+            await answer_lifespan(receive, send)
 
     def _loading(self) -> bool:
         return time.monotonic() < self._ready_at
