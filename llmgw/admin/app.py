@@ -85,7 +85,13 @@ def make_admin_app(
     async def create_key() -> Any:
         doc = await request.get_json(silent=True)
         if not isinstance(doc, dict):
-            return _error(400, "Send a JSON object with 'name' (and 'project', 'expires', 'band').")
+            return _error(
+                400,
+                "Send a JSON object with 'name' (and 'project' or 'person', 'expires', 'band').",
+            )
+        unknown = set(doc) - {"name", "project", "person", "expires", "band"}
+        if unknown:
+            return _error(400, f"Unknown field(s) {sorted(unknown)}.")
         name = doc.get("name")
         if not isinstance(name, str) or not name.strip() or len(name) > 200:
             return _error(400, "'name' is required: a string of 1 to 200 characters.")
@@ -93,6 +99,7 @@ def make_admin_app(
             made = await keys_service.create(
                 name.strip(),
                 project=doc.get("project"),
+                person=doc.get("person"),
                 expires=doc.get("expires"),
                 band=doc.get("band") or "",
             )

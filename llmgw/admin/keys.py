@@ -1,6 +1,7 @@
 """Keys, the tenancy tree and limits, as the admin API manages them.
 
-Rules (``shared/spec/tenancy-and-keys.md``): keys belong to a project; a
+Rules (``shared/spec/tenancy-and-keys.md``): keys belong to a project, or
+to a person (personal keys: their own limits and the defaults only); a
 project path that does not exist yet is created (and the answer says which
 levels were made); ``auth.max_key_ttl`` caps a key's life and is the expiry
 of keys made without one; a level's limits only narrow what is above it (the
@@ -15,6 +16,7 @@ in integer micro-units (``25_000_000``), the unit of prices
 from __future__ import annotations
 
 import datetime as dt
+import re
 import time
 from decimal import Decimal, InvalidOperation
 from typing import Any, Final
@@ -33,6 +35,7 @@ __all__ = ["DEFAULT_PROJECT", "KeysService", "parse_budget_micros", "parse_since
 DEFAULT_PROJECT: Final = "default/default/default"
 MICROS_PER_UNIT: Final = 1_000_000
 _LIMIT_FIELDS: Final = ("rpm", "tpm", "budget_day", "budget_month", "models")
+_PERSON: Final = re.compile(r"^[^@\s]{1,64}@[^@\s]{1,255}$")
 
 
 def parse_since(value: str, now: float) -> float:
@@ -154,22 +157,38 @@ class KeysService:
         return now + life_s
 
     async def create(
-        self, name: str, *, project: object = None, expires: object = None, band: str = ""
+        self,
+        name: str,
+        *,
+        project: object = None,
+        person: object = None,
+        expires: object = None,
+        band: object = "",
     ) -> dict[str, Any]:
-        """Make a key in ``project`` (``ORG/TEAM/PROJECT``, created if missing).
+        """Make a key in ``project`` (``ORG/TEAM/PROJECT``, created if missing),
+        or a personal key of ``person`` (a sign-in address; no project).
 
         Raises:
-            ValueError: a bad path, expiry or band.
+            ValueError: a bad path, person, expiry or band, or both a project
+                and a person.
         """
         now = time.time()
         if project is not None and not isinstance(project, str):
             raise ValueError("'project' must be a path like Acme/ml/train")
-        org, team, proj = parse_project_path(project or DEFAULT_PROJECT)
         if not isinstance(band, str) or len(band) > 64:
             raise ValueError("'band' must be a short name")
         expires_at = self._expiry(expires, now)
-        path, created = await self._store.ensure_project(org, team, proj, now)
         secret, record = new_key(name, now=now)
+        if person is not None:
+            if project is not None:
+                raise ValueError("a key belongs to a project or to a person, not both")
+            if not isinstance(person, str) or not _PERSON.match(person):
+                raise ValueError("'person' must be a sign-in address like ada@example.com")
+            record = attrs.evolve(record, owner=person, band=band, expires_at=expires_at)
+            await self._store.insert_key(record)
+            return {**self._key_doc(record, None), "key": secret, "created": []}
+        org, team, proj = parse_project_path(project or DEFAULT_PROJECT)
+        path, created = await self._store.ensure_project(org, team, proj, now)
         record = attrs.evolve(record, project_id=path.project.id, band=band, expires_at=expires_at)
         await self._store.insert_key(record)
         return {**self._key_doc(record, path), "key": secret, "created": created}
@@ -319,6 +338,7 @@ class KeysService:
             "name": record.name,
             "prefix": record.prefix,
             "project": path.path if path is not None else None,
+            "person": record.owner or None,
             "band": record.band,
             "created_at": record.created_at,
             "is_admin": record.is_admin,

@@ -275,6 +275,7 @@ def keys() -> None:
     default=None,
     help="ORG/TEAM/PROJECT (made if missing); default/default/default if not given.",
 )
+@click.option("--person", default=None, help="A personal key of this sign-in address (no project).")
 @click.option(
     "--expires", default=None, help="Life of the key: 30d, 12h … (capped by auth.max_key_ttl)."
 )
@@ -282,12 +283,20 @@ def keys() -> None:
 @_data_dir_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def keys_create(
-    name: str, project: str | None, expires: str | None, band: str, data_dir: Path, as_json: bool
+    name: str,
+    project: str | None,
+    person: str | None,
+    expires: str | None,
+    band: str,
+    data_dir: Path,
+    as_json: bool,
 ) -> None:
     """Make a key called NAME and print its secret (shown only this once)."""
     body: dict[str, Any] = {"name": name, "band": band}
     if project:
         body["project"] = project
+    if person:
+        body["person"] = person
     if expires:
         body["expires"] = expires
     doc = AdminClient(data_dir).call("POST", "/api/v1/keys", json=body)
@@ -298,7 +307,8 @@ def keys_create(
         click.echo(f"created {level}", err=True)
     click.echo(doc["key"])
     click.echo(
-        f"key {doc['id']} ({doc['name']}) in {doc['project']}: keep the secret above; "
+        f"key {doc['id']} ({doc['name']}) of {doc['project'] or doc['person']}: keep the "
+        "secret above; "
         "it is not shown again",
         err=True,
     )

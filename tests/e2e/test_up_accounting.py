@@ -246,3 +246,22 @@ def test_keys_init_is_idempotent_rotate_replaces_the_secret_and_usage_exports_as
     assert lines[0].startswith("request_id,")
     assert len(lines) - 1 == len(_export(up))
     assert any(bot["id"] in line for line in lines[1:])
+
+
+def test_a_personal_key_belongs_to_a_person_not_a_project_and_keeps_its_own_limits(
+    start_up: Any, tmp_path: Path
+) -> None:
+    up = _start(start_up, tmp_path, PRICED)
+    made = up.cli("keys", "create", "laptop", "--person", "ada@example.com", "--json")
+    assert made.returncode == 0, made.stderr
+    doc = json.loads(made.stdout)
+    assert doc["person"] == "ada@example.com"
+    assert doc["project"] is None
+    both = up.cli("keys", "create", "x", "--person", "ada@example.com", "--project", "A/b/c")
+    assert both.returncode != 0
+    assert "not both" in both.stderr
+    assert (
+        up.cli("keys", "limits", "--scope", "key", "--id", doc["id"], "--rpm", "2").returncode == 0
+    )
+    statuses = [_chat(up, doc["key"], PRICED, max_tokens=1).status_code for _ in range(3)]
+    assert statuses == [200, 200, 429]

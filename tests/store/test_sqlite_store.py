@@ -157,7 +157,11 @@ async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Pa
     async with open_sqlite_store(path):
         pass
     assert query(path, "SELECT version, name, applied_at FROM schema_migrations") == first
-    assert [(v, n) for v, n, _ in first] == [(1, "0001_init.sql"), (2, "0002_tenancy.sql")]
+    assert [(v, n) for v, n, _ in first] == [
+        (1, "0001_init.sql"),
+        (2, "0002_tenancy.sql"),
+        (3, "0003_personal_keys.sql"),
+    ]
     assert backups(path) == []
 
 
@@ -172,10 +176,14 @@ async def test_a_new_migration_on_an_existing_database_backs_it_up_first(
     async with open_sqlite_store(path, migrations_dir=later) as store:
         assert await store.get_key("key_1") == KEY
 
-    assert backups(path) == ["s.db.bak-0002"]
-    backup = path.with_name("s.db.bak-0002")
-    # The copy is the database as it was: versions 1 and 2, the key, no new table.
-    assert query(backup, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+    assert backups(path) == ["s.db.bak-0003"]
+    backup = path.with_name("s.db.bak-0003")
+    # The copy is the database as it was: versions 1 to 3, the key, no new table.
+    assert query(backup, "SELECT version FROM schema_migrations ORDER BY version") == [
+        (1,),
+        (2,),
+        (3,),
+    ]
     assert query(backup, "SELECT id FROM keys") == [("key_1",)]
     assert query(backup, "SELECT name FROM sqlite_master WHERE name = 'notes'") == []
     assert query(backup, "PRAGMA journal_mode") == [("delete",)]
@@ -183,13 +191,14 @@ async def test_a_new_migration_on_an_existing_database_backs_it_up_first(
     assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
         (1,),
         (2,),
+        (3,),
         (99,),
     ]
     assert query(path, "SELECT id, note FROM keys") == [("key_1", "")]
 
     async with open_sqlite_store(path, migrations_dir=later):
         pass
-    assert backups(path) == ["s.db.bak-0002"]
+    assert backups(path) == ["s.db.bak-0003"]
 
 
 async def test_a_new_database_gets_no_backup(tmp_path: Path) -> None:
@@ -201,6 +210,7 @@ async def test_a_new_database_gets_no_backup(tmp_path: Path) -> None:
     assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
         (1,),
         (2,),
+        (3,),
         (99,),
     ]
 
@@ -216,7 +226,11 @@ async def test_a_failing_migration_is_rolled_back_and_stays_pending(tmp_path: Pa
     with pytest.raises(StoreError, match=r"0099_broken\.sql"):
         async with open_sqlite_store(path, migrations_dir=broken):
             pass
-    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
+        (1,),
+        (2,),
+        (3,),
+    ]
     assert query(path, "SELECT name FROM sqlite_master WHERE name = 'half'") == []
     assert query(path, "SELECT id FROM keys") == [("key_1",)]
 
@@ -269,7 +283,11 @@ async def test_two_stores_opening_one_new_file_at_once_migrate_it_once(tmp_path:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(open_and_hold)
         nursery.start_soon(open_and_hold)
-    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [(1,), (2,)]
+    assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
+        (1,),
+        (2,),
+        (3,),
+    ]
 
 
 def only_the_first_migration(tmp_path: Path) -> Path:

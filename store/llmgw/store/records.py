@@ -151,6 +151,8 @@ class KeyRecord:
     band: str = ""
     limits: Limits = Limits()
     last_used_at: float | None = None
+    #: For a personal key, the person's sign-in address (then no project).
+    owner: str = ""
 
 
 @attrs.frozen(kw_only=True)

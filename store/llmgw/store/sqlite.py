@@ -629,6 +629,7 @@ def _key_from_row(row: sqlite3.Row) -> KeyRecord:
         band=row["band"],
         limits=_limits_from_json(row["limits"]),
         last_used_at=row["last_used_at"],
+        owner=row["owner"],
     )
 
 
@@ -646,6 +647,7 @@ def _key_params(key: KeyRecord) -> dict[str, object]:
         "band": key.band,
         "limits": _limits_to_json(key.limits),
         "last_used_at": key.last_used_at,
+        "owner": key.owner,
     }
 
 
@@ -653,9 +655,9 @@ def _insert_key(conn: sqlite3.Connection, *, key: KeyRecord) -> None:
     with write_transaction(conn):
         conn.execute(
             "INSERT INTO keys (id, name, key_hash, prefix, created_at, is_admin, revoked_at,"
-            " expires_at, project_id, band, limits, last_used_at) VALUES (:id, :name,"
+            " expires_at, project_id, band, limits, last_used_at, owner) VALUES (:id, :name,"
             " :key_hash, :prefix, :created_at, :is_admin, :revoked_at, :expires_at,"
-            " :project_id, :band, :limits, :last_used_at)",
+            " :project_id, :band, :limits, :last_used_at, :owner)",
             _key_params(key),
         )
 
@@ -666,7 +668,7 @@ def _update_key(conn: sqlite3.Connection, *, key: KeyRecord) -> bool:
             "UPDATE keys SET name = :name, key_hash = :key_hash, prefix = :prefix,"
             " created_at = :created_at, is_admin = :is_admin,"
             " revoked_at = coalesce(revoked_at, :revoked_at), expires_at = :expires_at,"
-            " project_id = :project_id, band = :band, limits = :limits,"
+            " project_id = :project_id, band = :band, limits = :limits, owner = :owner,"
             " last_used_at = CASE WHEN last_used_at IS NULL THEN :last_used_at"
             " WHEN :last_used_at IS NULL THEN last_used_at"
             " ELSE max(last_used_at, :last_used_at) END"
