@@ -78,6 +78,8 @@ class NodeInfo:
     memory_available_mb: int = 0
     load_1m: float = 0.0
     send: Callable[[protocol.Message], Awaitable[None]] | None = None
+    #: Engine ports found taken by other processes; not offered again.
+    busy_ports: set[int] = attrs.field(factory=set)
 
 
 @attrs.define(kw_only=True)
@@ -185,12 +187,14 @@ class Cluster:
         previous = shard.state
         shard.state = state
         if state is ShardState.READY:
-            shard.failures = 0
             shard.reason = ""
             if shard.ready_at is None or previous is not ShardState.READY:
                 shard.ready_at = time.time()
         elif state is ShardState.FAILED:
-            last = next((line.strip() for line in reversed(last_lines) if line.strip()), "")
+            last = next(
+                (line.strip() for line in reversed(last_lines) if any(c.isalnum() for c in line)),
+                "",
+            )
             shard.reason = f"{reason}; last output: {last}" if last else reason
             shard.last_lines = last_lines
         self._rebuild_endpoints()

@@ -35,6 +35,8 @@ log = logging.getLogger("llmgw.control.reconciler")
 TICK_S: Final = 1.0
 RESTART_BACKOFF_FIRST_S: Final = 1.0
 RESTART_BACKOFF_MAX_S: Final = 60.0
+#: A replica READY this long before it failed starts its back-off afresh.
+STABLE_AFTER_S: Final = 60.0
 #: Deadline for sending one command over a link.
 SEND_TIMEOUT_S: Final = 5.0
 
@@ -124,7 +126,26 @@ async def reconcile_once(
                 await _start(cluster, shard, model)
             elif shard.state is ShardState.FAILED:
                 if shard.restart_at == 0.0:
+                    if shard.ready_at is not None and now - shard.ready_at >= STABLE_AFTER_S:
+                        shard.failures = 0  # it had run well: a fresh start of the back-off
                     shard.failures += 1
+                    if "in use" in shard.reason:
+                        busy = shard.port
+                        node = cluster.nodes.get(shard.node_id)
+                        if node is not None:
+                            node.busy_ports.add(busy)
+                        port = _free_port(
+                            cluster, shard.node_id, port_range, avoid=frozenset({busy})
+                        )
+                        if port is not None:
+                            shard.port = port
+                            log.warning(
+                                "port %d on %s is taken by another process; %s moves to %d",
+                                busy,
+                                shard.node_id,
+                                replica_id,
+                                port,
+                            )
                     delay_s = restart_delay_s(shard.failures)
                     shard.restart_at = now + delay_s
                     log.warning(
@@ -151,8 +172,16 @@ def _place(cluster: Cluster, model: ModelRecord) -> NodeInfo | None:
     return None
 
 
-def _free_port(cluster: Cluster, node_id: str, port_range: PortRange) -> int | None:
-    used = {s.port for s in cluster.shards.values() if s.node_id == node_id}
+def _free_port(
+    cluster: Cluster,
+    node_id: str,
+    port_range: PortRange,
+    avoid: frozenset[int] = frozenset(),
+) -> int | None:
+    used = {s.port for s in cluster.shards.values() if s.node_id == node_id} | avoid
+    node = cluster.nodes.get(node_id)
+    if node is not None:
+        used |= node.busy_ports
     for port in range(port_range[0], port_range[1] + 1):
         if port not in used:
             return port

@@ -551,3 +551,31 @@ def test_up_serves_only_the_model_it_was_asked_for(start_up: Any) -> None:
     second.wait_ready()
     assert _status(second)["models"] == ["second-model"]
     assert "first-model from an earlier start removed" in second.log()
+
+
+def test_an_engine_port_held_by_another_process_is_never_used(start_up: Any) -> None:
+    """Something else listens on the first engine port: llmgw must not probe
+    it, route to it or send it the engine key; the replica moves."""
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    try:
+        squatter.bind(("127.0.0.1", up.engine_ports[0]))
+        squatter.listen(16)
+        up.wait_ready()
+        replica = _replica(up)
+        assert replica["port"] != up.engine_ports[0]
+        assert "is taken by another process" in up.log()
+        client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+        try:
+            answer = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
+            assert answer.choices[0].message.content
+        finally:
+            client.close()
+        squatter.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            squatter.accept()  # nobody ever connected to it
+    finally:
+        squatter.close()

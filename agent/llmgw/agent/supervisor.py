@@ -26,6 +26,7 @@ import collections
 import logging
 import os
 import signal
+import socket
 import subprocess
 from collections.abc import Callable, Iterable
 from typing import Final, NoReturn
@@ -349,6 +350,11 @@ class Supervisor:
             return f"cannot launch engine {profile.engine!r}: {exc}"
         if not commands:
             return f"engine {profile.engine!r} gave no command to run"
+        if not _port_free(launch.bind_addr, launch.http_port):
+            # Never start (nor probe) an engine on a port something else
+            # holds: the probe would reach that process, and so would the
+            # router, with the engine key.
+            return f"port {launch.http_port} is in use by another process"
         shard.health_url += health_path if health_path.startswith("/") else f"/{health_path}"
         for command in commands:
             try:
@@ -583,6 +589,19 @@ _KEY_VARIABLES = frozenset({"LLAMA_API_KEY", "VLLM_API_KEY", "FREETOKEN_API_KEY"
 
 def _inherited_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _KEY_VARIABLES}
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now (SO_REUSEADDR, as servers set
+    it: a port in TIME_WAIT counts as free, one with a listener does not)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host or "0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def _decode(line: bytes) -> str:
