@@ -67,6 +67,13 @@ __all__ = [
 #: Open loop: the most requests in flight at once; later starts are errors.
 #: Also the most closed-loop clients.
 MAX_IN_FLIGHT: Final = 4096
+
+#: What a refusal most likely means for someone running a load test.
+_STATUS_HINTS: Final = {
+    401: " (wrong or missing --key?)",
+    404: " (no such model: see --model)",
+    429: " (rate limited: the key's limits)",
+}
 #: The highest open-loop rate accepted, in requests per second.
 MAX_RATE_PER_S: Final = 100_000.0
 #: Bytes asked of the socket per read.
@@ -979,7 +986,8 @@ class _Reactor:
         connection.used += 1
         scanner = parser.scanner
         if scanner is None:
-            self.stats.error(connection.started, f"HTTP {parser.status}")
+            hint = _STATUS_HINTS.get(parser.status, "")
+            self.stats.error(connection.started, f"HTTP {parser.status}{hint}")
         elif scanner.error:
             self.stats.error(connection.started, "error event in stream")
         else:
@@ -1159,7 +1167,7 @@ def format_result(result: LoadResult) -> str:
 @click.command("load")
 @click.option("--url", required=True, help="The server, http://HOST:PORT.")
 @click.option("--key", default="", help="API key (Bearer); none when empty.")
-@click.option("--model", default="sim-model", show_default=True, help="The model asked for.")
+@click.option("--model", default="gemma-3-270m", show_default=True, help="The model asked for.")
 @click.option("--concurrency", type=click.IntRange(min=1), help="Closed loop: this many clients.")
 @click.option(
     "--rate", type=click.FloatRange(min=0, min_open=True), help="Open loop: requests/s offered."

@@ -96,6 +96,9 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
         ValueError: a bad option (an engine argument that is refused, …).
     """
     started = trio.current_time()
+    if options.model is not None and not options.model.expanduser().is_file():
+        # Checked before anything is written: a bad start leaves nothing behind.
+        raise FileNotFoundError(f"--model {options.model}: no such file")
     data_dir = options.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     config_path = options.config

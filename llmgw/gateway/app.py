@@ -64,6 +64,11 @@ _BROKEN_STREAM_EVENT: Final = (
     b'"type":"server_error","code":"upstream_error","param":null}}\n\n'
 )
 
+_CUT_STREAM_EVENT: Final = (
+    b'data: {"error":{"message":"The gateway is stopping; the answer was cut short. Retry.",'
+    b'"type":"server_error","code":"server_shutting_down","param":null}}\n\n'
+)
+
 _COMPLETION_ROUTES: Final = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -173,6 +178,7 @@ class Gateway:
             doc = _parse(body, kind)
             call.model = doc["model"]
             call.stream = doc.get("stream") is True
+            call.prompt_estimate = estimate_prompt_tokens(doc, kind)
             if call.model not in self._cluster.models:
                 raise ApiError(
                     404,
@@ -358,6 +364,7 @@ class _Call:
         "key",
         "kind",
         "model",
+        "prompt_estimate",
         "replica_id",
         "request_id",
         "reservation",
@@ -373,6 +380,7 @@ class _Call:
         self.request_id = "req_" + secrets.token_hex(12)
         self.key: KeyRecord | None = None
         self.model = ""
+        self.prompt_estimate = 0
         self.stream = False
         self.reservation: Reservation | None = None
         self.scope_ids: tuple[str, str, str] = ("", "", "")
@@ -388,9 +396,16 @@ DEFAULT_MAX_OUTPUT_TOKENS: Final = 512
 
 
 def estimate_tokens(doc: dict[str, Any], kind: str) -> int:
-    """The tokens a request may spend: its prompt (about 4 characters a
-    token, plus 4 a message for the chat template) plus its ``max_tokens``.
-    Charged to the token limiters first, then settled with the real count."""
+    """The tokens a request may spend: its prompt (:func:`estimate_prompt_tokens`)
+    plus its ``max_tokens``. Charged to the token limiters first, then
+    settled with the real count."""
+    output = doc.get("max_completion_tokens") or doc.get("max_tokens") or DEFAULT_MAX_OUTPUT_TOKENS
+    return estimate_prompt_tokens(doc, kind) + int(output)
+
+
+def estimate_prompt_tokens(doc: dict[str, Any], kind: str) -> int:
+    """About 4 characters a token, plus 4 a message for the chat template;
+    at least 1. Used where the engine gave no count (an answer cut short)."""
     if kind == "chat":
         chars = 0
         messages = doc.get("messages") or []
@@ -401,8 +416,7 @@ def estimate_tokens(doc: dict[str, Any], kind: str) -> int:
     else:
         given = doc.get("prompt")
         prompt = len(given) // 4 if isinstance(given, str) else len(orjson.dumps(given)) // 4
-    output = doc.get("max_completion_tokens") or doc.get("max_tokens") or DEFAULT_MAX_OUTPUT_TOKENS
-    return max(prompt, 1) + int(output)
+    return max(prompt, 1)
 
 
 def _store_unavailable() -> ApiError:
@@ -469,7 +483,7 @@ async def _attempt(
             ]
             if call.stream and response.status == 200:
                 await _relay_stream(
-                    response, send, [content_type, *extra], pass_usage, call.started, outcome
+                    response, send, [content_type, *extra], pass_usage, call, outcome
                 )
             else:
                 data = await response.read()
@@ -502,7 +516,7 @@ async def _relay_stream(
     send: Send,
     headers: list[tuple[bytes, bytes]],
     pass_usage: bool,
-    started: float,
+    call: _Call,
     outcome: _Outcome,
 ) -> None:
     relay = SseRelay(pass_usage=pass_usage)
@@ -518,7 +532,7 @@ async def _relay_stream(
             out = relay.feed(chunk)
             if out:
                 if outcome.ttft_s is None and relay.content_chunks:
-                    outcome.ttft_s = time.perf_counter() - started
+                    outcome.ttft_s = time.perf_counter() - call.started
                 if relay.saw_done:
                     # The answer is complete once [DONE] is on its way: a
                     # client that closes right after it got everything.
@@ -534,12 +548,24 @@ async def _relay_stream(
                 {"type": "http.response.body", "body": _BROKEN_STREAM_EVENT, "more_body": False}
             )
         raise
+    except trio.Cancelled:
+        # Cut short: the client left (then this is dropped), or the stop's
+        # grace ran out (then the client is told, not left with a torn stream).
+        if not relay.saw_done:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await send(
+                    {"type": "http.response.body", "body": _CUT_STREAM_EVENT, "more_body": False}
+                )
+        raise
     finally:
-        # Counted even when the client left mid-stream: it is charged for
-        # what was generated.
+        # Counted even when the answer was cut short: the client is charged
+        # for what was generated, and for its prompt as estimated when the
+        # engine's own count never came.
         outcome.usage = relay.usage
         if outcome.usage is None and relay.content_chunks:
-            outcome.usage = Usage(completion_tokens=relay.content_chunks)
+            outcome.usage = Usage(
+                prompt_tokens=call.prompt_estimate, completion_tokens=relay.content_chunks
+            )
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
@@ -609,7 +635,9 @@ def _parse(body: bytes, kind: str) -> dict[str, Any]:
             raise bad_request(
                 "'prompt' is required and must be a string or an array.", param="prompt"
             )
-    if "stream" in doc and not isinstance(doc["stream"], bool):
+    if doc.get("stream") is None:
+        doc.pop("stream", None)  # null means the default: not streamed
+    elif not isinstance(doc["stream"], bool):
         raise bad_request("'stream' must be true or false.", param="stream")
     options = doc.get("stream_options")
     if options is not None and not isinstance(options, dict):

@@ -336,7 +336,7 @@ async def test_a_wrong_key_gives_http_401_errors() -> None:
                 )
                 assert result.requests == 0
                 assert result.errors > 0
-                assert result.error_samples == ("HTTP 401",)
+                assert result.error_samples == ("HTTP 401 (wrong or missing --key?)",)
 
 
 async def test_a_closed_port_gives_connection_refused_in_time() -> None:

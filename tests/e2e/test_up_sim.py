@@ -579,3 +579,40 @@ def test_an_engine_port_held_by_another_process_is_never_used(start_up: Any) -> 
             squatter.accept()  # nobody ever connected to it
     finally:
         squatter.close()
+
+
+def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_event_not_a_torn_stream(
+    start_up: Any,
+) -> None:
+    up = start_up(
+        "--engine",
+        "sim",
+        "--model-name",
+        MODEL,
+        "--engine-arg=--tokens-per-second",
+        "--engine-arg=20",
+        "--engine-arg=--tokens",
+        "--engine-arg=1000",
+    )
+    up.wait_ready()
+    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    try:
+        chunks = iter(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "x"}],
+                max_tokens=1000,
+                stream=True,
+            )
+        )
+        next(chunks)
+        up.process.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError) as caught:
+            for _ in chunks:
+                pass
+    finally:
+        client.close()
+    assert not isinstance(caught.value, openai.APIConnectionError)
+    assert "stopping" in str(caught.value)
+    up.process.wait(timeout=30)
+    assert up.process.returncode == 0
