@@ -19,6 +19,7 @@ On start it prints one JSON line to stdout: ``{"listen": "HOST:PORT",
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -63,6 +64,8 @@ async def run_bench_gateway(
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
+    # Its output lands in the middle of the benchmark's table: only what matters.
+    logging.getLogger("llmgw.store").setLevel(logging.WARNING)
     parts = urlsplit(engine_url)
     if not parts.hostname or not parts.port:
         raise ValueError(f"--engine-url {engine_url!r} needs a host and a port")
