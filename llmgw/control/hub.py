@@ -151,6 +151,11 @@ async def _handle(request: trio_websocket.WebSocketRequest, token: str, cluster:
             type(group.exceptions[0]).__name__,
         )
     finally:
+        if ws.closed is None:
+            # Still open: the control plane is stopping. Say so, so the agent
+            # does not take it for a broken link.
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await ws.aclose(1001, "control plane stopping")
         if node_id:
             cluster.node_disconnected(node_id)
 

@@ -642,6 +642,11 @@ def _parse(body: bytes, kind: str) -> dict[str, Any]:
     options = doc.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", param="stream_options")
+    n = doc.get("n")
+    if n is not None and n != 1:
+        # Engines here answer one choice whatever n says, and the usage would
+        # not match the answer: refused clearly until n is carried through.
+        raise bad_request("'n' other than 1 is not supported yet.", param="n")
     for field in ("max_tokens", "max_completion_tokens"):
         value = doc.get(field)
         if value is not None and (

@@ -616,3 +616,16 @@ def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_event_not_a_torn
     assert "stopping" in str(caught.value)
     up.process.wait(timeout=30)
     assert up.process.returncode == 0
+
+
+def test_n_other_than_1_is_refused_clearly(start_up: Any) -> None:
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    up.wait_ready()
+    response = httpx.post(
+        f"{up.base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2},
+        headers={"authorization": f"Bearer {up.admin_key}"},
+        timeout=10,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "n"

@@ -117,7 +117,15 @@ async def serve_link(
         try:
             await _one_session(url, token, handlers, mark_heard)
         except* LINK_ERRORS as group:
-            log.warning("link to %s lost: %s", url, _describe(_first(group)))
+            cause = _first(group)
+            if (
+                isinstance(cause, trio_websocket.ConnectionClosed)
+                and cause.reason is not None
+                and cause.reason.code == 1001
+            ):
+                log.info("the control plane at %s is stopping; will reconnect", url)
+            else:
+                log.warning("link to %s lost: %s", url, _describe(cause))
         if heard:
             backoff_s = BACKOFF_FIRST_S
         delay_s = backoff_s * random.uniform(0.5, 1.0)
