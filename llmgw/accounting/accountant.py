@@ -180,10 +180,13 @@ class BudgetSpent(Refused):
     ) -> None:
         adjective = "daily" if period == "day" else "monthly"
         held = f", {reserved_micros} held by requests in flight" if reserved_micros else ""
+        left_micros = max(budget_micros - spent_micros - reserved_micros, 0)
+        state = "is spent" if left_micros == 0 else "has too little left for this request"
         message = (
-            f"The {adjective} budget of {scope} is spent: {spent_micros} of "
+            f"The {adjective} budget of {scope} {state}: {spent_micros} of "
             f"{budget_micros} micro-units used{held}; this request may cost up to "
-            f"{needed_micros}. It renews at the start of the next UTC {period}."
+            f"{needed_micros} (a lower max_tokens asks for less). It renews at the start "
+            f"of the next UTC {period}."
         )
         super().__init__(429, "insufficient_quota", message, retry_after_s, scope)
         self.type = "insufficient_quota"
@@ -324,6 +327,23 @@ class Accountant:
     def allowed(self, path: Sequence[ScopeLimits], model: str) -> bool:
         """Whether every level that lists models lists ``model``."""
         return all(level.models is None or model in level.models for level in path)
+
+    def rate_headers(self, path: Sequence[ScopeLimits], now: float) -> list[tuple[bytes, bytes]]:
+        """OpenAI's ``x-ratelimit-*`` headers for ``path`` as things stand,
+        charging nothing: what a refused request's answer carries."""
+        figures = Reservation(
+            model="",
+            scopes=(),
+            request_counters=(),
+            token_counters=(),
+            estimate_tokens=0,
+            reserved=(),
+            at=now,
+            requests=_tightest(self.requests, self._limits(path, "rpm", self.default_rpm), now),
+            tokens=_tightest(self.tokens, self._limits(path, "tpm", self.default_tpm), now),
+            holding=False,
+        )
+        return figures.headers()
 
     def check(
         self,
@@ -587,7 +607,9 @@ class Accountant:
                             limit,
                             math.ceil(limiter.rate(scope, now)),
                             cost,
-                            limiter.retry_after_s(scope, limit, cost, now),
+                            # A request larger than the limit never fits:
+                            # no Retry-After to wait for.
+                            0 if cost > limit else limiter.retry_after_s(scope, limit, cost, now),
                         )
                     )
         if refusals:

@@ -62,6 +62,10 @@ def make_admin_app(
     async def not_found(_: Exception) -> Response:
         return _error(404, f"No route {request.method} {request.path}.", "unknown_url")
 
+    @app.errorhandler(500)
+    async def internal(_: Exception) -> Response:
+        return _error(500, "Internal error; the control plane's log says more.", "internal_error")
+
     @app.errorhandler(405)
     async def wrong_method(_: Exception) -> Response:
         return _error(405, f"{request.path} does not take {request.method}.", "method_not_allowed")
@@ -148,7 +152,9 @@ def make_admin_app(
         except ValueError as exc:
             return _error(400, str(exc))
         rows = await store.usage_summary(by, since)  # type: ignore[arg-type]
-        return {"by": by, "since": since, "data": [attrs.asdict(r) for r in rows]}
+        names = await keys_service.names(by)
+        data = [{**attrs.asdict(r), "name": names.get(r.group, r.group)} for r in rows]
+        return {"by": by, "since": since, "data": data}
 
     @app.get("/api/v1/usage/export")
     async def usage_export() -> Any:
@@ -179,6 +185,8 @@ def make_admin_app(
 
     @app.get("/api/v1/requests/<request_id>")
     async def one_request(request_id: str) -> Any:
+        if not request_id.startswith("req_") or not request_id[4:].isalnum():
+            return _error(400, f"{request_id!r} is not a request id (req_…).")
         row = await store.get_usage(request_id)
         if row is None:
             return _error(

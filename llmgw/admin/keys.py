@@ -22,6 +22,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Final
 
 import attrs
+import trio
 
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver, parse_project_path
@@ -34,6 +35,10 @@ __all__ = ["DEFAULT_PROJECT", "KeysService", "parse_budget_micros", "parse_since
 #: Where keys made without ``--project`` go (a fresh install's one project).
 DEFAULT_PROJECT: Final = "default/default/default"
 MICROS_PER_UNIT: Final = 1_000_000
+#: The largest budget accepted, in currency units.
+MAX_BUDGET_UNITS: Final = 10**12
+#: Key names and sign-in addresses: printable, no control characters.
+_PRINTABLE: Final = re.compile(r"^[^\x00-\x1f\x7f]+$")
 _LIMIT_FIELDS: Final = ("rpm", "tpm", "budget_day", "budget_month", "models")
 _PERSON: Final = re.compile(r"^[^@\s]{1,64}@[^@\s]{1,255}$")
 
@@ -46,14 +51,24 @@ def parse_since(value: str, now: float) -> float:
         ValueError: none of those.
     """
     text = value.strip()
+    if len(text) > 40:
+        raise ValueError(f"{text[:40]!r}… is not a time")
     try:
-        return now - parse_duration_s(text)
+        back_s = parse_duration_s(text)
+    except (ValueError, OverflowError):
+        pass
+    else:
+        if back_s > 100 * 365 * 86400:
+            raise ValueError(f"{value!r} is more than a hundred years back")
+        return now - back_s
+    try:
+        epoch = float(text)
     except ValueError:
         pass
-    try:
-        return float(text)
-    except ValueError:
-        pass
+    else:
+        if not 0 <= epoch < 1e11:
+            raise ValueError(f"{value!r} is not a time in epoch seconds")
+        return epoch
     try:
         when = dt.datetime.fromisoformat(text)
     except ValueError:
@@ -75,13 +90,28 @@ def parse_budget_micros(value: object) -> int | None:
         return None
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not an amount")
+    text = str(value)
+    if len(text) > 32:
+        raise ValueError(f"{text[:32]!r}… is not an amount like 25 or 25.50")
     try:
-        amount = Decimal(str(value))
+        amount = Decimal(text)
     except InvalidOperation:
         raise ValueError(f"{value!r} is not an amount like 25 or 25.50") from None
     if not amount.is_finite() or amount < 0:
         raise ValueError(f"{value!r} is not a non-negative amount")
-    return int(amount * MICROS_PER_UNIT)
+    if amount > MAX_BUDGET_UNITS:
+        raise ValueError(f"{value!r} is more than the largest budget, {MAX_BUDGET_UNITS:,}")
+    micros = int(amount * MICROS_PER_UNIT)
+    if micros == 0 and amount > 0:
+        raise ValueError(f"{value!r} is less than one micro-unit (0.000001)")
+    return micros
+
+
+def _human(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
 
 
 def _limits_from(doc: object, base: Limits) -> Limits:
@@ -110,6 +140,10 @@ def _limits_from(doc: object, base: Limits) -> Limits:
             not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)
         ):
             raise ValueError("'models' must be a list of model names, or null to inherit")
+        if models is not None and not models:
+            raise ValueError(
+                "'models' must name at least one model (null inherits the level above)"
+            )
         changes["models"] = None if models is None else tuple(models)
     return attrs.evolve(base, **changes)
 
@@ -141,6 +175,8 @@ class KeysService:
         self._auth = authenticator
         self._resolver = resolver
         self._settings = settings
+        #: One `keys init` at a time, so two runs never both make a key.
+        self._init_lock = trio.Lock()
 
     def _expiry(self, expires: object, now: float) -> float | None:
         cap_s = self._settings.max_key_ttl
@@ -148,11 +184,13 @@ class KeysService:
             return None if cap_s is None else now + cap_s
         try:
             life_s = parse_duration_s(expires)
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:
             raise ValueError(f"'expires': {exc}") from None
+        if life_s <= 0:
+            raise ValueError("'expires' must be a positive duration like 30d")
         if cap_s is not None and life_s > cap_s:
             raise ValueError(
-                f"'expires' {expires} is longer than auth.max_key_ttl ({cap_s / 86400:g} days)"
+                f"'expires' {expires} is longer than auth.max_key_ttl ({_human(cap_s)})"
             )
         return now + life_s
 
@@ -173,16 +211,22 @@ class KeysService:
                 and a person.
         """
         now = time.time()
+        if not _PRINTABLE.match(name) or len(name) > 200:
+            raise ValueError("a key's name is 1 to 200 printable characters")
         if project is not None and not isinstance(project, str):
             raise ValueError("'project' must be a path like Acme/ml/train")
-        if not isinstance(band, str) or len(band) > 64:
+        if not isinstance(band, str) or len(band) > 64 or (band and not _PRINTABLE.match(band)):
             raise ValueError("'band' must be a short name")
         expires_at = self._expiry(expires, now)
         secret, record = new_key(name, now=now)
         if person is not None:
             if project is not None:
                 raise ValueError("a key belongs to a project or to a person, not both")
-            if not isinstance(person, str) or not _PERSON.match(person):
+            if (
+                not isinstance(person, str)
+                or not _PERSON.match(person)
+                or not _PRINTABLE.match(person)
+            ):
                 raise ValueError("'person' must be a sign-in address like ada@example.com")
             record = attrs.evolve(record, owner=person, band=band, expires_at=expires_at)
             await self._store.insert_key(record)
@@ -204,6 +248,8 @@ class KeysService:
             raise LookupError(f"No key {key_id!r}.")
         if key.revoked_at is not None:
             raise ValueError(f"Key {key_id!r} is revoked; make a new one.")
+        if key.expires_at is not None and key.expires_at <= time.time():
+            raise ValueError(f"Key {key_id!r} has expired; make a new one.")
         secret, fresh = new_key(key.name)
         await self._store.update_key(
             attrs.evolve(key, key_hash=fresh.key_hash, prefix=fresh.prefix)
@@ -294,6 +340,25 @@ class KeysService:
             ValueError: a malformed document (nothing is changed then).
         """
         plan = _parse_tree(doc)
+        for *_, keys in plan:
+            for key_doc in keys:
+                self._check_key_doc(key_doc)
+        async with self._init_lock:
+            return await self._apply_tree(plan)
+
+    def _check_key_doc(self, key_doc: dict[str, Any]) -> None:
+        """Everything :meth:`create` would refuse, refused before any change."""
+        unknown = set(key_doc) - {"name", "band", "expires"}
+        if unknown:
+            raise ValueError(f"key {key_doc['name']!r}: unknown field(s) {sorted(unknown)}")
+        band = key_doc.get("band", "")
+        if not isinstance(band, str) or len(band) > 64:
+            raise ValueError(f"key {key_doc['name']!r}: 'band' must be a short name")
+        if not _PRINTABLE.match(key_doc["name"]) or len(key_doc["name"]) > 200:
+            raise ValueError(f"key {key_doc['name']!r}: a name is 1 to 200 printable characters")
+        self._expiry(key_doc.get("expires"), time.time())
+
+    async def _apply_tree(self, plan: _TreePlan) -> dict[str, Any]:
         now = time.time()
         created: list[str] = []
         made_keys: list[dict[str, Any]] = []
@@ -328,6 +393,22 @@ class KeysService:
         self._resolver.forget()
         return {"created": created, "keys": made_keys}
 
+    async def names(self, by: str) -> dict[str, str]:
+        """Readable names for the ids ``ctl usage --by`` groups on: a key's
+        name (with its id), a project/team path, an org's name."""
+        if by == "key":
+            return {k.id: f"{k.name} ({k.id})" for k in await self._store.list_keys()} | {
+                "": "(no key)"
+            }
+        if by == "model":
+            return {}
+        names: dict[str, str] = {"": "(personal keys)"}
+        for path in await self._store.list_tree():
+            names[path.project.id] = path.path
+            names[path.team.id] = f"{path.org.name}/{path.team.name}"
+            names[path.org.id] = path.org.name
+        return names
+
     def forget_key(self, key_id: str) -> None:
         self._resolver.forget()
 
@@ -352,6 +433,13 @@ _TreePlan = list[tuple[str, object, str, object, str, object, list[dict[str, Any
 
 
 def _parse_tree(doc: object) -> _TreePlan:
+    allowed = {
+        "orgs": {"name", "limits", "teams"},
+        "teams": {"name", "limits", "projects"},
+        "projects": {"name", "limits", "keys"},
+        "keys": {"name", "band", "expires"},
+    }
+
     def items(parent: object, key: str, where: str) -> list[dict[str, Any]]:
         value = parent.get(key, []) if isinstance(parent, dict) else None
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
@@ -359,10 +447,13 @@ def _parse_tree(doc: object) -> _TreePlan:
         for v in value:
             if not isinstance(v.get("name"), str) or not v["name"]:
                 raise ValueError(f"every entry of {where}.{key} needs a 'name'")
+            unknown = set(v) - allowed[key]
+            if unknown:
+                raise ValueError(f"{where}.{key} {v['name']!r}: unknown field(s) {sorted(unknown)}")
         return value
 
-    if not isinstance(doc, dict):
-        raise ValueError("the tree must be an object with 'orgs'")
+    if not isinstance(doc, dict) or set(doc) - {"orgs"}:
+        raise ValueError("the tree must be an object with just 'orgs'")
     plan: _TreePlan = []
     for org in items(doc, "orgs", "$"):
         for team in items(org, "teams", org["name"]):

@@ -29,9 +29,9 @@ def parse_project_path(path: str) -> tuple[str, str, str]:
         ValueError: not three names of 1 to 64 letters, digits, ``-``, ``_``, ``.``.
     """
     parts = path.strip().strip("/").split("/")
-    if len(parts) != 3 or not all(_NAME.match(p) for p in parts):
+    if len(parts) != 3 or not all(_NAME.match(p) and p.strip(".") for p in parts):
         raise ValueError(
-            f"{path!r} is not ORG/TEAM/PROJECT (names of 1-64 letters, digits, '-', '_', '.')"
+            f"{path!r} is not ORG/TEAM/PROJECT (names of 1-64 letters, digits, '-', '_', '.'; not dots alone)"
         )
     return parts[0], parts[1], parts[2]
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import click
 import httpx
@@ -320,7 +321,7 @@ def keys_create(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def keys_rotate(key_id: str, data_dir: Path, as_json: bool) -> None:
     """Give KEY_ID a new secret (printed once); the old one is refused at once."""
-    doc = AdminClient(data_dir).call("POST", f"/api/v1/keys/{key_id}/rotate")
+    doc = AdminClient(data_dir).call("POST", f"/api/v1/keys/{quote(key_id, safe='')}/rotate")
     if as_json:
         _print_json(doc)
         return
@@ -413,7 +414,9 @@ def keys_limits(
         )
     if not body:
         raise click.UsageError("give at least one of --rpm, --tpm, --budget, --models")
-    doc = AdminClient(data_dir).call("PUT", f"/api/v1/limits/{scope}/{ident}", json=body)
+    doc = AdminClient(data_dir).call(
+        "PUT", f"/api/v1/limits/{scope}/{quote(ident.strip('/'), safe='/')}", json=body
+    )
     if as_json:
         _print_json(doc)
         return
@@ -442,7 +445,7 @@ def keys_list(data_dir: Path, as_json: bool) -> None:
 @_data_dir_option()
 def keys_revoke(key_id: str, data_dir: Path) -> None:
     """Revoke the key KEY_ID; it is refused at once."""
-    AdminClient(data_dir).call("POST", f"/api/v1/keys/{key_id}/revoke")
+    AdminClient(data_dir).call("POST", f"/api/v1/keys/{quote(key_id, safe='')}/revoke")
     click.echo(f"revoked {key_id}")
 
 
@@ -485,7 +488,7 @@ def ctl_usage(
         click.echo(f"{by:32}  requests  prompt  cached  completion  cost")
         for row in doc["data"]:
             click.echo(
-                f"{row['group'][:32]:32}  {row['requests']:8}  {row['prompt_tokens']:6}  "
+                f"{row['name'][:32]:32}  {row['requests']:8}  {row['prompt_tokens']:6}  "
                 f"{row['cached_tokens']:6}  {row['completion_tokens']:10}  {row['cost_micros'] / 1e6:.6f}"
             )
         return
@@ -533,7 +536,7 @@ def ctl_usage_export(fmt: str, since: str, until: str | None, data_dir: Path) ->
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def ctl_request(request_id: str, data_dir: Path, as_json: bool) -> None:
     """One request's usage row (the id is in every answer's x-request-id)."""
-    doc = AdminClient(data_dir).call("GET", f"/api/v1/requests/{request_id}")
+    doc = AdminClient(data_dir).call("GET", f"/api/v1/requests/{quote(request_id, safe='')}")
     if as_json:
         _print_json(doc)
         return

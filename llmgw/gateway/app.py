@@ -178,7 +178,7 @@ class Gateway:
             doc = _parse(body, kind)
             call.model = doc["model"]
             call.stream = doc.get("stream") is True
-            call.prompt_estimate = estimate_prompt_tokens(doc, kind)
+            call.prompt_estimate = estimate_prompt_tokens(doc, kind, bytes_per_token=4)
             if call.model not in self._cluster.models:
                 raise ApiError(
                     404,
@@ -197,6 +197,7 @@ class Gateway:
                         path, call.model, estimate_tokens(doc, kind), time.time()
                     )
                 except Refused as refused:
+                    call.headers = self._accountant.rate_headers(path, time.time())
                     raise _refusal(refused) from None
                 call.headers = call.reservation.headers()
             endpoint = self._pick(call.model)
@@ -403,19 +404,28 @@ def estimate_tokens(doc: dict[str, Any], kind: str) -> int:
     return estimate_prompt_tokens(doc, kind) + int(output)
 
 
-def estimate_prompt_tokens(doc: dict[str, Any], kind: str) -> int:
-    """About 4 characters a token, plus 4 a message for the chat template;
-    at least 1. Used where the engine gave no count (an answer cut short)."""
+def estimate_prompt_tokens(doc: dict[str, Any], kind: str, *, bytes_per_token: int = 2) -> int:
+    """A prompt's tokens from its size: one token per ``bytes_per_token``
+    bytes of UTF-8 text, plus 4 a message for the chat template; at least 1.
+
+    The default, 2, is on the high side (prose runs 4 or more bytes a
+    token; repeated short words can run 2): what budgets and token limits
+    hold before the real count is known, so a burst cannot overshoot by
+    much. 4 is the typical figure, charged when an engine's count never
+    came (an answer cut short)."""
     if kind == "chat":
-        chars = 0
+        size = 0
         messages = doc.get("messages") or []
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
-            chars += len(content) if isinstance(content, str) else len(orjson.dumps(content))
-        prompt = chars // 4 + 4 * len(messages)
+            size += (
+                len(content.encode()) if isinstance(content, str) else len(orjson.dumps(content))
+            )
+        prompt = -(-size // bytes_per_token) + 4 * len(messages)
     else:
         given = doc.get("prompt")
-        prompt = len(given) // 4 if isinstance(given, str) else len(orjson.dumps(given)) // 4
+        size = len(given.encode()) if isinstance(given, str) else len(orjson.dumps(given))
+        prompt = -(-size // bytes_per_token)
     return max(prompt, 1)
 
 

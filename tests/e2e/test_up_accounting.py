@@ -75,6 +75,7 @@ def test_a_key_at_10_rpm_gets_its_11th_request_in_a_minute_refused_with_retry_af
     refused = answers[10]
     assert refused.status_code == 429
     assert int(refused.headers["retry-after"]) >= 1
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
     error = refused.json()["error"]
     assert error["code"] == "rate_limit_exceeded"
     assert error["message"]
@@ -215,6 +216,20 @@ def test_keys_init_is_idempotent_rotate_replaces_the_secret_and_usage_exports_as
     start_up: Any, tmp_path: Path
 ) -> None:
     up = _start(start_up, tmp_path, PRICED, FREE)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "orgs:\n  - name: Bad\n    teams:\n      - name: t\n        projects:\n"
+        "          - name: p\n            keys: [{name: k1}, {name: k2, expires: bogus}]\n"
+    )
+    refused = up.cli("keys", "init", str(bad))
+    assert refused.returncode != 0
+    assert "expires" in refused.stderr
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("orgs:\n  - name: Bad\n    limts: {rpm: 1}\n")
+    assert "limts" in up.cli("keys", "init", str(typo)).stderr
+    assert "Bad" not in up.cli("keys", "list").stdout + json.dumps(
+        json.loads(up.cli("ctl", "usage", "--by", "org", "--json").stdout)
+    )
     tree = tmp_path / "tree.yaml"
     tree.write_text(TREE)
     first = up.cli("keys", "init", str(tree), "--json")

@@ -937,8 +937,11 @@ _PATH_SELECT = (
 
 
 def _check_name(level: str, name: str) -> None:
-    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
-        raise ValueError(f"{level} name {name!r} must be 1 to 64 letters, digits, '-', '_' or '.'")
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None or not name.strip("."):
+        raise ValueError(
+            f"{level} name {name!r} must be 1 to 64 letters, digits, '-', '_' or '.' "
+            "(not dots alone)"
+        )
 
 
 def _new_id(prefix: str) -> str:
