@@ -132,8 +132,11 @@ def load_settings(path: Path | None) -> ServerSettings:
         doc = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise SettingsError(f"{path}: {exc}") from exc
-    if not isinstance(doc, dict) or not all(isinstance(v, dict) or v is None for v in doc.values()):
+    if not isinstance(doc, dict):
         raise SettingsError(f"{path}: the file must be a mapping of blocks, like 'auth: {{…}}'")
+    for key, value in doc.items():
+        if not (isinstance(value, dict) or value is None):
+            raise SettingsError(f"{path}: {key!r} must be a block of settings (a mapping)")
     try:
         return _converter.structure(doc, ServerSettings)
     except cattrs.BaseValidationError as exc:
