@@ -33,7 +33,7 @@ import attrs
 import orjson
 import trio
 
-from llmgw.engines.testing import read_line, stop_process
+from llmgw.engines.testing import read_line, sim_argv, stop_process
 
 from .load import LoadConfig, LoadResult, run_load
 
@@ -151,21 +151,13 @@ async def start_sim_engine(
     pinned to ``cores``; return the process and its base URL."""
     process, line = await _start(
         _argv(
-            [
-                sys.executable,
-                "-m",
-                "llmgw.engines.sim",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--model",
+            sim_argv(
                 MODEL,
                 "--tokens",
                 str(ENGINE_TOKENS),
                 "--tokens-per-second",
                 str(ENGINE_TOKENS_PER_S),
-            ],
+            ),
             cores,
         ),
         {**env, "LLAMA_API_KEY": engine_key},

@@ -105,6 +105,23 @@ async def stop_process(process: trio.Process, *, grace: float = STOP_TIMEOUT) ->
                 await pipe.aclose()
 
 
+def sim_argv(model: str, *args: str) -> list[str]:
+    """The command line of a sim engine on 127.0.0.1, any free port (it
+    prints where it listens), serving ``model``, with extra ``args``."""
+    return [
+        sys.executable,
+        "-m",
+        "llmgw.engines.sim",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--model",
+        model,
+        *args,
+    ]
+
+
 @asynccontextmanager
 async def open_sim(
     *args: str, api_key: str = "", model: str = "sim-model"
@@ -117,18 +134,7 @@ async def open_sim(
         trio.TooSlowError: it did not start within :data:`SIM_START_TIMEOUT`.
         EOFError: it exited before saying where it listens.
     """
-    argv = [
-        sys.executable,
-        "-m",
-        "llmgw.engines.sim",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--model",
-        model,
-        *args,
-    ]
+    argv = sim_argv(model, *args)
     process = await trio.lowlevel.open_process(
         argv, stdout=subprocess.PIPE, env=engine_process_env(api_key)
     )
