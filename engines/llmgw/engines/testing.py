@@ -25,6 +25,7 @@ __all__ = [
     "engine_process_env",
     "open_sim",
     "read_line",
+    "sim_argv",
     "stop_process",
 ]
 
