@@ -36,11 +36,11 @@ SHUTDOWN_FLUSH_S: Final = 10.0
 class UsageWriter:
     """A bounded buffer of usage rows waiting for the store."""
 
-    def __init__(self, *, buffer_size: int = BUFFER_SIZE) -> None:
+    def __init__(self, *, buffer_size: int = BUFFER_SIZE, batch_size: int = BATCH_SIZE) -> None:
         self._rows: deque[UsageRow] = deque()
         self._buffer_size = buffer_size
         self._wake = trio.Event()
-        self.batch_size = BATCH_SIZE
+        self.batch_size = batch_size
 
     def record(self, row: UsageRow) -> bool:
         """Queue ``row``; ``False`` (and a dropped-row count) when the buffer is full."""

@@ -307,15 +307,3 @@ def _export_line(row: UsageRow, fmt: str) -> bytes:
     out = io.StringIO()
     csv.writer(out).writerow(["" if doc[f] is None else doc[f] for f in USAGE_FIELDS])
     return out.getvalue().encode()
-
-
-def _key_doc(record: Any) -> dict[str, Any]:
-    return {
-        "id": record.id,
-        "name": record.name,
-        "prefix": record.prefix,
-        "created_at": record.created_at,
-        "is_admin": record.is_admin,
-        "revoked_at": record.revoked_at,
-        "expires_at": record.expires_at,
-    }

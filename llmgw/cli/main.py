@@ -226,17 +226,11 @@ class AdminClient:
             ):
                 if response.status_code >= 400:
                     response.read()
-                    try:
-                        message = response.json()["error"]["message"]
-                    except (ValueError, KeyError, TypeError):
-                        message = response.text
-                    raise click.ClickException(f"{response.status_code}: {message}")
+                    raise _refused(response)
                 for chunk in response.iter_bytes():
                     out.write(chunk)
         except httpx.HTTPError as exc:
-            raise click.ClickException(
-                f"cannot reach the admin API at {self.base_url} ({exc}); is llmgw running?"
-            ) from exc
+            raise self._unreachable(exc) from exc
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -245,19 +239,30 @@ class AdminClient:
                     method, path, headers={"authorization": f"Bearer {self.key}"}, **kwargs
                 )
         except httpx.HTTPError as exc:
-            raise click.ClickException(
-                f"cannot reach the admin API at {self.base_url} ({exc}); is llmgw running?"
-            ) from exc
-        try:
-            doc = response.json()
-        except ValueError:
-            doc = {"error": {"message": response.text}}
+            raise self._unreachable(exc) from exc
         if response.status_code >= 400:
-            message = (
-                doc.get("error", {}).get("message", response.text) if isinstance(doc, dict) else doc
-            )
-            raise click.ClickException(f"{response.status_code}: {message}")
-        return doc
+            raise _refused(response)
+        try:
+            return response.json()
+        except ValueError:
+            raise click.ClickException(
+                f"the admin API answered something that is not JSON: {response.text[:200]}"
+            ) from None
+
+    def _unreachable(self, exc: httpx.HTTPError) -> click.ClickException:
+        return click.ClickException(
+            f"cannot reach the admin API at {self.base_url} ({exc}); is llmgw running?"
+        )
+
+
+def _refused(response: httpx.Response) -> click.ClickException:
+    """The admin API's error answer as a one-line CLI error (its OpenAI-shaped
+    ``error.message``, else the body)."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text
+    return click.ClickException(f"{response.status_code}: {message}")
 
 
 def _print_json(doc: Any) -> None:

@@ -167,8 +167,7 @@ async def serve_control_plane(
         default_tpm=auth.default_tpm,
     )
     await restore_budgets(store, accountant)
-    usage = UsageWriter(buffer_size=auth.buffer_size)
-    usage.batch_size = auth.batch_size
+    usage = UsageWriter(buffer_size=auth.buffer_size, batch_size=auth.batch_size)
     gateway = Gateway(
         authenticator=authenticator,
         cluster=cluster,

@@ -9,13 +9,34 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 STARTUP_TIMEOUT_S = 240.0
+
+
+def up_argv(data_dir: Path, *args: str) -> list[str]:
+    """``llmgw up`` in ``data_dir`` with every listener on a free loopback port."""
+    return [
+        sys.executable,
+        "-m",
+        "llmgw.cli",
+        "up",
+        "--data-dir",
+        str(data_dir),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--agent-listen",
+        "127.0.0.1:0",
+        *args,
+    ]
 
 
 class Up:
@@ -32,25 +53,7 @@ class Up:
         self.output = data_dir.parent / f"{data_dir.name}.log"
         base = random.randrange(30000, 60000, 100)
         self.engine_ports = (base, base + 99)
-        command = [
-            sys.executable,
-            "-m",
-            "llmgw.cli",
-            "up",
-            "--data-dir",
-            str(data_dir),
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--agent-listen",
-            "127.0.0.1:0",
-            "--engine-ports",
-            f"{base}-{base + 99}",
-            *args,
-        ]
+        command = up_argv(data_dir, "--engine-ports", f"{base}-{base + 99}", *args)
         self._log_file = self.output.open("wb")
         self.process = subprocess.Popen(
             command,
@@ -111,6 +114,12 @@ class Up:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self._log_file.close()
+
+
+@pytest.fixture(name="up_argv")
+def up_argv_fixture() -> Callable[..., list[str]]:
+    """:func:`up_argv`, for tests that run ``llmgw up`` themselves."""
+    return up_argv
 
 
 @pytest.fixture

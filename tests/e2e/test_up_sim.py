@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -477,31 +476,12 @@ def test_prometheus_metrics_count_requests_tokens_and_latency_on_their_own_liste
 
 
 def test_a_second_up_on_the_same_data_dir_or_ports_fails_clearly_and_changes_nothing(
-    start_up: Any,
+    start_up: Any, up_argv: Any
 ) -> None:
     first = start_up("--engine", "sim", "--model-name", MODEL)
     first.wait_ready()
     same_dir = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llmgw.cli",
-            "up",
-            "--data-dir",
-            str(first.data_dir),
-            "--engine",
-            "sim",
-            "--model-name",
-            "intruder",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--agent-listen",
-            "127.0.0.1:0",
-        ],
+        up_argv(first.data_dir, "--engine", "sim", "--model-name", "intruder"),
         capture_output=True,
         text=True,
         timeout=60,
@@ -510,25 +490,9 @@ def test_a_second_up_on_the_same_data_dir_or_ports_fails_clearly_and_changes_not
     assert same_dir.returncode != 0
     assert "another llmgw up is using" in same_dir.stderr
     other_dir = first.data_dir.parent / "other"
+    # The client port is taken; later flags win, so --listen overrides up_argv's.
     same_ports = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llmgw.cli",
-            "up",
-            "--data-dir",
-            str(other_dir),
-            "--engine",
-            "sim",
-            "--listen",
-            first.run["api"],
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--agent-listen",
-            "127.0.0.1:0",
-        ],
+        up_argv(other_dir, "--engine", "sim", "--listen", first.run["api"]),
         capture_output=True,
         text=True,
         timeout=60,
