@@ -24,6 +24,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from llmgw.accounting.accountant import Accountant
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver, parse_project_path
 from llmgw.control.settings import AuthSettings, parse_duration_s
@@ -170,8 +171,10 @@ class KeysService:
         authenticator: KeyAuthenticator,
         resolver: ScopeResolver,
         settings: AuthSettings,
+        accountant: Accountant | None = None,
     ) -> None:
         self._store = store
+        self._accountant = accountant
         self._auth = authenticator
         self._resolver = resolver
         self._settings = settings
@@ -410,7 +413,11 @@ class KeysService:
         return names
 
     def forget_key(self, key_id: str) -> None:
+        """After a revoke: the key's cached path and its limiter counters go
+        (tenancy-and-keys.md: revoking a key clears its limiter counters)."""
         self._resolver.forget()
+        if self._accountant is not None:
+            self._accountant.forget_key(key_id)
 
     @staticmethod
     def _key_doc(record: KeyRecord, path: ProjectPath | None) -> dict[str, Any]:

@@ -175,7 +175,7 @@ async def serve_control_plane(
         accountant=accountant,
         resolver=resolver,
     )
-    keys_service = KeysService(store, authenticator, resolver, auth)
+    keys_service = KeysService(store, authenticator, resolver, auth, accountant)
     admin = make_admin_app(store, cluster, authenticator, keys_service)
     metrics_app = _with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
     holder = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
