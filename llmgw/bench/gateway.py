@@ -86,7 +86,7 @@ async def run_bench_gateway(
         await store.insert_key(attrs.evolve(record, project_id=path.project.id, limits=roomy))
         cluster = Cluster()
         cluster.is_leader = True
-        cluster.models = {model: ModelRecord(name=model, engine="sim", created_at=time.time())}
+        cluster.models = {model: ModelRecord.simple(model, "sim", created_at=time.time())}
         cluster.endpoints = {
             model: [
                 Endpoint(

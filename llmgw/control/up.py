@@ -268,7 +268,7 @@ async def _model_records(options: UpOptions, data_dir: Path, say: Say) -> list[M
             raise ValueError(f"--model-name given twice: {', '.join(names)}")
         for name in names:
             say(f"model {name}: sim engine (made-up answers, for tests and benchmarks)")
-        return [ModelRecord(name=name, **common) for name in names]  # type: ignore[arg-type]
+        return [ModelRecord.simple(name, **common) for name in names]  # type: ignore[arg-type]
     if len(options.model_names) > 1:
         raise ValueError("llama.cpp serves one model here: give --model-name once")
     return [await _gguf_model_record(options, data_dir, common, say)]
@@ -284,7 +284,7 @@ async def _gguf_model_record(
             raise FileNotFoundError(f"--model {options.model}: no such file")
         name = model_name or path.stem
         say(f"model {name}: {path}")
-        return ModelRecord(name=name, source=str(path), **common)  # type: ignore[arg-type]
+        return ModelRecord.simple(name, source=str(path), **common)  # type: ignore[arg-type]
     weights = data_dir / "weights"
     say(f"checking the starter model {STARTER_MODEL_NAME} in {weights} …")
     path = await trio.to_thread.run_sync(assemble_starter_model, weights)
@@ -297,8 +297,8 @@ async def _gguf_model_record(
         # tokens. Gemma's template is built into llama.cpp under that name;
         # with Jinja on, the name would be taken as a template's text.
         args = ("--chat-template", "gemma", "--no-jinja", *args)
-    return ModelRecord(
-        name=model_name or STARTER_MODEL_NAME,
+    return ModelRecord.simple(
+        model_name or STARTER_MODEL_NAME,
         source=str(path),
         sha256=starter.EXPECTED_SHA256,
         **{**common, "args": args},  # type: ignore[arg-type]

@@ -148,6 +148,17 @@ async def test_a_file_that_is_not_a_database_is_a_store_error(tmp_path: Path) ->
 
 # --- migrations --------------------------------------------------------------
 
+#: The packaged migrations' versions, as rows of ``SELECT version``.
+PACKAGED = [
+    (int(p.name[:4]),)
+    for p in sorted(
+        importlib.resources.files("llmgw.store").joinpath("migrations/sqlite").iterdir(),
+        key=lambda p: p.name,
+    )
+    if p.name.endswith(".sql")
+]
+LATEST = PACKAGED[-1][0]
+
 
 async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Path) -> None:
     path = tmp_path / "s.db"
@@ -161,6 +172,7 @@ async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Pa
         (1, "0001_init.sql"),
         (2, "0002_tenancy.sql"),
         (3, "0003_personal_keys.sql"),
+        (4, "0004_catalog.sql"),
     ]
     assert backups(path) == []
 
@@ -176,29 +188,25 @@ async def test_a_new_migration_on_an_existing_database_backs_it_up_first(
     async with open_sqlite_store(path, migrations_dir=later) as store:
         assert await store.get_key("key_1") == KEY
 
-    assert backups(path) == ["s.db.bak-0003"]
-    backup = path.with_name("s.db.bak-0003")
-    # The copy is the database as it was: versions 1 to 3, the key, no new table.
+    assert backups(path) == [f"s.db.bak-{LATEST:04d}"]
+    backup = path.with_name(f"s.db.bak-{LATEST:04d}")
+    # The copy is the database as it was: the packaged versions, the key, no new table.
     assert query(backup, "SELECT version FROM schema_migrations ORDER BY version") == [
-        (1,),
-        (2,),
-        (3,),
+        *PACKAGED,
     ]
     assert query(backup, "SELECT id FROM keys") == [("key_1",)]
     assert query(backup, "SELECT name FROM sqlite_master WHERE name = 'notes'") == []
     assert query(backup, "PRAGMA journal_mode") == [("delete",)]
     # The live database has moved on.
     assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
-        (1,),
-        (2,),
-        (3,),
+        *PACKAGED,
         (99,),
     ]
     assert query(path, "SELECT id, note FROM keys") == [("key_1", "")]
 
     async with open_sqlite_store(path, migrations_dir=later):
         pass
-    assert backups(path) == ["s.db.bak-0003"]
+    assert backups(path) == [f"s.db.bak-{LATEST:04d}"]
 
 
 async def test_a_new_database_gets_no_backup(tmp_path: Path) -> None:
@@ -208,9 +216,7 @@ async def test_a_new_database_gets_no_backup(tmp_path: Path) -> None:
         pass
     assert backups(path) == []
     assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
-        (1,),
-        (2,),
-        (3,),
+        *PACKAGED,
         (99,),
     ]
 
@@ -227,9 +233,7 @@ async def test_a_failing_migration_is_rolled_back_and_stays_pending(tmp_path: Pa
         async with open_sqlite_store(path, migrations_dir=broken):
             pass
     assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
-        (1,),
-        (2,),
-        (3,),
+        *PACKAGED,
     ]
     assert query(path, "SELECT name FROM sqlite_master WHERE name = 'half'") == []
     assert query(path, "SELECT id FROM keys") == [("key_1",)]
@@ -284,9 +288,7 @@ async def test_two_stores_opening_one_new_file_at_once_migrate_it_once(tmp_path:
         nursery.start_soon(open_and_hold)
         nursery.start_soon(open_and_hold)
     assert query(path, "SELECT version FROM schema_migrations ORDER BY version") == [
-        (1,),
-        (2,),
-        (3,),
+        *PACKAGED,
     ]
 
 

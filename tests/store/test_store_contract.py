@@ -15,7 +15,16 @@ import attrs
 import pytest
 import trio
 
-from llmgw.store import Conflict, KeyRecord, ModelRecord, Store, UsageRow
+from llmgw.store import (
+    Conflict,
+    External,
+    ExternalKey,
+    KeyRecord,
+    ModelRecord,
+    Profile,
+    Store,
+    UsageRow,
+)
 
 OpenStore = Callable[[], AbstractAsyncContextManager[Store]]
 
@@ -231,9 +240,9 @@ async def test_usage_can_be_listed_for_one_key(store: Store) -> None:
 
 
 def make_model(name: str, **changes: Any) -> ModelRecord:
-    model = ModelRecord(
-        name=name,
-        engine="llamacpp",
+    model = ModelRecord.simple(
+        name,
+        "llamacpp",
         source="/var/lib/llmgw/models/gemma.gguf",
         replicas=2,
         context_tokens=8192,
@@ -254,14 +263,43 @@ async def test_a_model_round_trips_with_its_args_and_env(store: Store) -> None:
 
 
 async def test_a_model_with_defaults_round_trips(store: Store) -> None:
-    model = ModelRecord(name="sim", engine="sim")
+    model = ModelRecord.simple("sim", "sim")
     await store.put_model(model)
     assert await store.get_model("sim") == model
 
 
+async def test_a_whole_catalog_entry_round_trips(store: Store) -> None:
+    model = ModelRecord(
+        name="big",
+        aliases=("big-latest",),
+        profiles=(
+            Profile(name="gpu", engine="vllm", gpu_class="h100-80g", gpus=2, tp=2, replicas=3),
+            Profile(name="cpu", engine="llamacpp", cpu_cores=8, min_memory_gb=12.5, priority=-1),
+        ),
+        on_demand=True,
+        fallbacks=("small",),
+        routing="batch",
+        max_output=2048,
+        context_length=32768,
+    )
+    await store.put_model(model)
+    assert await store.get_model("big") == model
+    assert model.replicas == 4
+    outside = ModelRecord(
+        name="ext",
+        external=External(
+            url="https://api.example.com",
+            model="gpt-x",
+            api_key_files=(ExternalKey(file="/etc/llmgw/a.key", weight=2),),
+        ),
+    )
+    await store.put_model(outside)
+    assert await store.get_model("ext") == outside
+
+
 async def test_putting_a_model_again_replaces_it(store: Store) -> None:
     await store.put_model(make_model("gemma"))
-    replacement = make_model("gemma", replicas=5, args=(), env={})
+    replacement = make_model("gemma", aliases=("g",), max_output=100)
     await store.put_model(replacement)
     assert await store.get_model("gemma") == replacement
     assert await store.list_models() == [replacement]

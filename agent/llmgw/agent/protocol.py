@@ -101,6 +101,10 @@ class Gpu:
     memory_total_mb: int
     uuid: str = ""
     compute_capability: str = ""
+    #: Memory in use on the card, and the part of it held by processes
+    #: that are not this agent's engines (re-read at every heartbeat).
+    memory_used_mb: int = 0
+    foreign_memory_mb: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -116,6 +120,10 @@ class Hardware:
     arch: str = ""
     cpu_flags: tuple[str, ...] = ()
     nvidia_driver: str = ""
+    #: Measured memory read bandwidth, whole machine and one core, in GB/s
+    #: (0 until the agent's background measurement has run).
+    memory_bandwidth_gbps: float = 0.0
+    core_bandwidth_gbps: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -158,6 +166,8 @@ class RunningShard:
     pid: int = 0
     fingerprint: str = ""
     gpu_indices: tuple[int, ...] = ()
+    #: What the engine said it runs on ("CPU", "CUDA0 …"); empty = not known.
+    compute: str = ""
 
 
 # --- agent → control plane -------------------------------------------------------
@@ -174,6 +184,8 @@ class Register:
     engines: tuple[str, ...] = ()
     engines_probed: bool = True
     running_shards: tuple[RunningShard, ...] = ()
+    #: Node labels from agent.yaml, matched by profile selectors.
+    labels: dict[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -183,6 +195,11 @@ class Heartbeat:
     memory_available_mb: int
     cpu_count: int
     load_1m: float = 0.0
+    #: The cards as now (foreign memory re-evaluated each beat).
+    gpus: tuple[Gpu, ...] = ()
+    #: As in :class:`Hardware`, once measured (0 = not yet).
+    memory_bandwidth_gbps: float = 0.0
+    core_bandwidth_gbps: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -197,6 +214,11 @@ class ShardStatus:
     reason: str = ""
     last_lines: tuple[str, ...] = ()
     correlation_id: str = ""
+    #: What the engine said it runs on, once READY ("CPU", "CUDA0 …").
+    compute: str = ""
+    #: STARTING with progress (download bytes, loading): resets the start
+    #: deadline. Empty on other changes.
+    progress: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -1,14 +1,20 @@
 """llmgw's store: the :class:`Store` protocol, its records, and backends."""
 
+from ._catalog_json import model_from_doc as model_from_doc
+from ._catalog_json import model_to_doc as model_to_doc
+from ._catalog_json import profile_fingerprint as profile_fingerprint
 from ._open import open_store as open_store
 from .interface import Conflict as Conflict
 from .interface import Store as Store
 from .interface import StoreError as StoreError
+from .records import External as External
+from .records import ExternalKey as ExternalKey
 from .records import KeyRecord as KeyRecord
 from .records import Lease as Lease
 from .records import Limits as Limits
 from .records import ModelRecord as ModelRecord
 from .records import Org as Org
+from .records import Profile as Profile
 from .records import Project as Project
 from .records import ProjectPath as ProjectPath
 from .records import Scope as Scope
@@ -21,11 +27,14 @@ from .sqlite import open_sqlite_store as open_sqlite_store
 
 __all__ = [
     "Conflict",
+    "External",
+    "ExternalKey",
     "KeyRecord",
     "Lease",
     "Limits",
     "ModelRecord",
     "Org",
+    "Profile",
     "Project",
     "ProjectPath",
     "Scope",
@@ -36,6 +45,9 @@ __all__ = [
     "Team",
     "UsageRow",
     "UsageSummary",
+    "model_from_doc",
+    "model_to_doc",
     "open_sqlite_store",
     "open_store",
+    "profile_fingerprint",
 ]

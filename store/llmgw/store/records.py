@@ -7,17 +7,20 @@ answer text (``shared/spec/store.md``, Data policy).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 import attrs
 
 __all__ = [
+    "External",
+    "ExternalKey",
     "KeyRecord",
     "Lease",
     "Limits",
     "ModelRecord",
     "Org",
+    "Profile",
     "Project",
     "ProjectPath",
     "Scope",
@@ -204,34 +207,185 @@ class UsageSummary:
     cost_micros: int = 0
 
 
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise TypeError(f"expected a sequence of strings, not the string {value!r}")
+    return tuple(value)
+
+
+def _env_dict(value: Mapping[str, str]) -> dict[str, str]:
+    return dict(value)
+
+
+@attrs.frozen(kw_only=True)
+class Profile:
+    """One way to run a model (``shared/spec/catalog-and-placement.md``, Profile).
+
+    Attributes:
+        name: unique within the model.
+        engine: the engine adapter (``llamacpp``, ``sim``, ``vllm``, …).
+        gpu_class: the GPU class asked for (``h100-80g``, …); empty = CPU.
+        gpus: cards per replica (0 on CPU).
+        tp: tensor-parallel width (1 = none).
+        cpu_cores: cores reserved per replica, also the engine's threads;
+            0 = none reserved and the engine decides.
+        min_memory_gb: host memory reserved per replica, in GB (10^9 bytes).
+        context_tokens: the engine's whole context (llama.cpp ``--ctx-size``).
+        slots: parallel sequences per replica (llama.cpp ``--parallel``).
+        args, env: extra engine arguments and environment, vetted on entry.
+        priority: among profiles that fit, the highest is used.
+        replicas: how many replicas of this profile are wanted; 0 disables it.
+        startup_timeout_s: a start with no progress this long is failed.
+        selector: node labels a node must carry (``{"llmgw.role": "judge"}``).
+    """
+
+    name: str = "default"
+    engine: str
+    gpu_class: str = ""
+    gpus: int = 0
+    tp: int = 1
+    cpu_cores: int = 0
+    min_memory_gb: float = 0.0
+    context_tokens: int = 4096
+    slots: int = 4
+    args: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    env: dict[str, str] = attrs.field(factory=dict, converter=_env_dict)
+    priority: int = 0
+    replicas: int = 1
+    startup_timeout_s: float = 1200.0
+    selector: dict[str, str] = attrs.field(factory=dict, converter=_env_dict)
+
+
+def _profiles_tuple(value: Iterable[Profile]) -> tuple[Profile, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class ExternalKey:
+    """One key of an outside provider: a file on the control planes holding
+    it, and its share of the traffic relative to the others (0 counts as 1)."""
+
+    file: str
+    weight: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class External:
+    """An outside OpenAI-compatible provider (``shared/spec/outside-providers.md``).
+
+    Attributes:
+        url: the provider's base URL, without ``/v1``.
+        model: the model's name at the provider.
+        api_key_files: the keys, each its own endpoint ``external:<model>#<n>``.
+    """
+
+    url: str
+    model: str
+    api_key_files: tuple[ExternalKey, ...] = ()
+
+
 @attrs.frozen(kw_only=True)
 class ModelRecord:
-    """A catalog entry: one model and how to run it.
+    """A catalog entry: one model and the ways to run it.
 
     Attributes:
         name: the name clients ask for.
-        engine: the engine adapter name (``llamacpp``, ``sim``, …).
-        source: the weights (a local path for llama.cpp); empty for sim.
-        replicas: how many replicas are wanted.
-        context_tokens: ``--ctx-size`` for the engine.
-        slots: parallel sequences per replica.
-        cpu_cores: threads for CPU engines, 0 = the engine decides.
-        args: extra engine arguments (already vetted).
-        env: extra engine environment (already vetted).
+        source: the weights (a local path for llama.cpp); empty for sim and
+            outside models.
         sha256: the weights' expected digest, when known.
+        aliases: other names clients may use; one namespace with names.
+        description: free text.
+        allow_pickle: a pickle-format source was accepted deliberately.
+        profiles: the ways to run it, highest ``priority`` first when placing.
+        on_demand: replicas run only while the model is asked for; loaded by
+            the first request, evicted after ``on_demand.evict_after_idle``.
+        stopped: stopped by an administrator: nothing runs, the profiles'
+            replica counts are kept for ``start``.
+        external: set for a model served by an outside provider.
+        context_length: the model's trained context in tokens (0 = unknown).
+        max_output: the most tokens one answer may ask for; 0 tracks the
+            context (:attr:`max_output_tokens`).
+        fallbacks: models to use when this one has no room (routing.md).
+        routing: the scoring profile: ``chat``, ``batch`` or ``long-context``.
+        capabilities: e.g. ``("embeddings",)``.
+        owner: free text.
+        created_at: UTC epoch seconds.
     """
 
     name: str
-    engine: str
     source: str = ""
-    replicas: int = 1
-    context_tokens: int = 4096
-    slots: int = 4
-    cpu_cores: int = 0
-    args: tuple[str, ...] = ()
-    env: dict[str, str] = attrs.field(factory=dict)
     sha256: str = ""
+    aliases: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    description: str = ""
+    allow_pickle: bool = False
+    profiles: tuple[Profile, ...] = attrs.field(default=(), converter=_profiles_tuple)
+    on_demand: bool = False
+    stopped: bool = False
+    external: External | None = None
+    context_length: int = 0
+    max_output: int = 0
+    fallbacks: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    routing: str = "chat"
+    capabilities: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    owner: str = ""
     created_at: float = 0.0
+
+    @classmethod
+    def simple(
+        cls,
+        name: str,
+        engine: str,
+        *,
+        replicas: int = 1,
+        context_tokens: int = 4096,
+        slots: int = 4,
+        cpu_cores: int = 0,
+        args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        **fields: Any,
+    ) -> ModelRecord:
+        """A model with one profile named ``default``; ``fields`` are the
+        model's own (``source``, ``sha256``, ``aliases``, …)."""
+        profile = Profile(
+            engine=engine,
+            replicas=replicas,
+            context_tokens=context_tokens,
+            slots=slots,
+            cpu_cores=cpu_cores,
+            args=tuple(args),
+            env=dict(env or {}),
+        )
+        return cls(name=name, profiles=(profile,), **fields)
+
+    @property
+    def profile(self) -> Profile | None:
+        """The profile of highest priority with replicas wanted, else the first."""
+        wanted = [p for p in self.profiles if p.replicas > 0]
+        if wanted:
+            return max(wanted, key=lambda p: p.priority)
+        return self.profiles[0] if self.profiles else None
+
+    @property
+    def replicas(self) -> int:
+        """Replicas wanted when running: the sum over the profiles."""
+        return sum(p.replicas for p in self.profiles)
+
+    @property
+    def is_external(self) -> bool:
+        return self.external is not None
+
+    @property
+    def max_output_tokens(self) -> int:
+        """``max_output`` when set, else the context: the trained one, else
+        the context of the first profile, per slot."""
+        if self.max_output:
+            return self.max_output
+        if self.context_length:
+            return self.context_length
+        profile = self.profile
+        if profile is None:
+            return 0
+        return profile.context_tokens // max(profile.slots, 1)
 
 
 @attrs.frozen(kw_only=True)

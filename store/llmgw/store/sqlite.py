@@ -42,6 +42,7 @@ from typing import Any, Final, TypeVar, cast, final
 import trio
 from sqlite_utils import Database
 
+from ._catalog_json import model_from_json, model_to_json
 from ._sqlite_schema import (
     apply_migrations,
     is_busy,
@@ -1087,9 +1088,11 @@ def _set_limits(conn: sqlite3.Connection, *, table: str, id: str, text: str) -> 
 
 
 def _model_from_row(row: sqlite3.Row) -> ModelRecord:
-    return ModelRecord(
-        name=row["name"],
-        engine=row["engine"],
+    if row["spec"]:
+        return model_from_json(row["spec"])
+    return ModelRecord.simple(
+        row["name"],
+        row["engine"],
         source=row["source"],
         replicas=row["replicas"],
         context_tokens=row["context_tokens"],
@@ -1103,28 +1106,32 @@ def _model_from_row(row: sqlite3.Row) -> ModelRecord:
 
 
 def _put_model(conn: sqlite3.Connection, *, model: ModelRecord) -> None:
+    first = model.profile
+    engine = first.engine if first is not None else ("external" if model.external else "")
     with write_transaction(conn):
         conn.execute(
             "INSERT INTO models (name, engine, source, replicas, context_tokens, slots,"
-            " cpu_cores, args, env, sha256, created_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " cpu_cores, args, env, sha256, created_at, spec)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT (name) DO UPDATE SET engine = excluded.engine,"
             " source = excluded.source, replicas = excluded.replicas,"
             " context_tokens = excluded.context_tokens, slots = excluded.slots,"
             " cpu_cores = excluded.cpu_cores, args = excluded.args, env = excluded.env,"
-            " sha256 = excluded.sha256, created_at = excluded.created_at",
+            " sha256 = excluded.sha256, created_at = excluded.created_at,"
+            " spec = excluded.spec",
             (
                 model.name,
-                model.engine,
+                engine,
                 model.source,
                 model.replicas,
-                model.context_tokens,
-                model.slots,
-                model.cpu_cores,
-                json.dumps(list(model.args)),
-                json.dumps(model.env, sort_keys=True),
+                first.context_tokens if first else 0,
+                first.slots if first else 0,
+                first.cpu_cores if first else 0,
+                json.dumps(list(first.args) if first else []),
+                json.dumps(first.env if first else {}, sort_keys=True),
                 model.sha256,
                 model.created_at,
+                model_to_json(model),
             ),
         )
 
