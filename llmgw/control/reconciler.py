@@ -49,17 +49,19 @@ def restart_delay_s(failures: int) -> float:
 
 
 def profile_of(model: ModelRecord) -> protocol.EngineProfile:
+    profile = model.profile
+    assert profile is not None
     return protocol.EngineProfile(
         name=model.name,
-        engine=model.engine,
+        engine=profile.engine,
         served_model_name=model.name,
         model_path=model.source,
         model_sha256=model.sha256,
-        context_tokens=model.context_tokens,
-        slots=model.slots,
-        cpu_cores=model.cpu_cores,
-        args=tuple(model.args),
-        env=dict(model.env),
+        context_tokens=profile.context_tokens,
+        slots=profile.slots,
+        cpu_cores=profile.cpu_cores,
+        args=tuple(profile.args),
+        env=dict(profile.env),
     )
 
 
@@ -120,7 +122,7 @@ async def reconcile_once(
                     "placing %s on %s: engine %s on port %d",
                     replica_id,
                     node.node_id,
-                    model.engine,
+                    model.profile.engine if model.profile else "?",
                     port,
                 )
                 await _start(cluster, shard, model)
@@ -167,7 +169,7 @@ async def reconcile_once(
 
 def _place(cluster: Cluster, model: ModelRecord) -> NodeInfo | None:
     for node in cluster.nodes.values():
-        if node.connected and node.send is not None and model.engine in ("llamacpp", "sim"):
+        if node.connected and node.send is not None and model.profile is not None and model.profile.engine in ("llamacpp", "sim"):
             return node
     return None
 
