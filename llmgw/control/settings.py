@@ -34,7 +34,23 @@ import yaml
 
 from llmgw.accounting.prices import Price
 
-__all__ = ["AuthSettings", "ServerSettings", "SettingsError", "load_settings", "parse_duration_s"]
+__all__ = [
+    "DEFAULT_BANDS",
+    "AdmissionSettings",
+    "AuthSettings",
+    "BandSettings",
+    "CacheSettings",
+    "NodesSettings",
+    "OnDemandSettings",
+    "RouterSettings",
+    "ServerSettings",
+    "ServingSettings",
+    "SettingsError",
+    "TimeoutSettings",
+    "load_settings",
+    "parse_duration_s",
+    "settings_from_doc",
+]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNIT_S: Final = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -90,8 +106,103 @@ class AuthSettings:
 
 
 @attrs.frozen(kw_only=True)
+class ServingSettings:
+    """``serving``: ``stopped`` true = every model to zero, ``/v1`` POSTs
+    answered 503 ``system_stopped`` (``llmgw stop`` / ``llmgw start``)."""
+
+    stopped: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class OnDemandSettings:
+    """``on_demand`` (``shared/spec/reconciler-and-lifecycle.md``), seconds:
+    an idle on-demand replica is evicted after ``evict_after_idle`` unless
+    younger than ``min_lifetime``; a request for an unloaded model waits at
+    most ``load_wait`` for it."""
+
+    evict_after_idle: float = _duration_field(120.0)
+    min_lifetime: float = _duration_field(300.0)
+    load_wait: float = _duration_field(600.0)
+
+
+@attrs.frozen(kw_only=True)
+class BandSettings:
+    """One admission band: requests of higher ``priority`` go first; a band
+    may fill ``saturation`` (0 to 1) of a model's slots; a request that waited
+    ``queue_ttl`` seconds is answered 504 (``shared/spec/routing.md``)."""
+
+    name: str
+    priority: int
+    saturation: float = attrs.field(
+        default=1.0, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)]
+    )
+    queue_ttl: float = _duration_field(30.0)
+
+
+#: Our defaults: people's questions first, bulk jobs within half the slots.
+DEFAULT_BANDS: Final = (
+    BandSettings(name="interactive", priority=100, saturation=1.0, queue_ttl=30.0),
+    BandSettings(name="bulk", priority=10, saturation=0.5, queue_ttl=300.0),
+)
+
+
+@attrs.frozen(kw_only=True)
+class AdmissionSettings:
+    """``router.admission``: the bands; a key with no band is in ``default_band``."""
+
+    bands: tuple[BandSettings, ...] = DEFAULT_BANDS
+    default_band: str = "interactive"
+
+
+@attrs.frozen(kw_only=True)
+class CacheSettings:
+    """``router.cache``: the exact answer cache's bounds, in bytes."""
+
+    max_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=attrs.validators.ge(0))
+    max_entry_bytes: int = attrs.field(default=1024 * 1024, validator=attrs.validators.ge(0))
+
+
+@attrs.frozen(kw_only=True)
+class TimeoutSettings:
+    """``router.timeouts``, seconds (our choices, ``routing.md``)."""
+
+    connect: float = _duration_field(5.0)
+    first_byte: float = _duration_field(600.0)
+    generation: float = _duration_field(600.0)
+
+
+@attrs.frozen(kw_only=True)
+class RouterSettings:
+    """``router``: admission bands, the answer cache, timeouts, and the
+    scoring profile for models that name none."""
+
+    admission: AdmissionSettings = attrs.field(factory=AdmissionSettings)
+    cache: CacheSettings = attrs.field(factory=CacheSettings)
+    timeouts: TimeoutSettings = attrs.field(factory=TimeoutSettings)
+    scoring: str = "chat"
+
+
+@attrs.frozen(kw_only=True)
+class NodesSettings:
+    """``nodes``: cordoned nodes take no new replicas; draining ones also
+    have theirs moved, each kept serving up to ``drain_grace`` seconds when
+    it has nowhere to go."""
+
+    cordoned: tuple[str, ...] = ()
+    draining: tuple[str, ...] = ()
+    drain_grace: float = _duration_field(300.0)
+
+
+@attrs.frozen(kw_only=True)
 class ServerSettings:
+    """The whole settings document: ``server.yaml`` seeds it, the store
+    keeps it live (``llmgw ctl config``)."""
+
     auth: AuthSettings = attrs.field(factory=AuthSettings)
+    serving: ServingSettings = attrs.field(factory=ServingSettings)
+    on_demand: OnDemandSettings = attrs.field(factory=OnDemandSettings)
+    router: RouterSettings = attrs.field(factory=RouterSettings)
+    nodes: NodesSettings = attrs.field(factory=NodesSettings)
 
 
 def _make_converter() -> cattrs.Converter:
@@ -102,7 +213,22 @@ def _make_converter() -> cattrs.Converter:
         lambda t: t in (float, float | None, Optional[float]),  # noqa: UP045
         lambda value, _: None if value is None else parse_duration_s(value),
     )
+    converter.register_structure_hook(float, lambda value, _: parse_duration_s(value))
+    converter.register_structure_hook(bool, _strict_bool)
     return converter
+
+
+def _say_error(exc: BaseException, kind: type | None) -> str:
+    if isinstance(exc, KeyError):
+        return "required field missing"
+    text = str(exc)
+    return text or cattrs.v.format_exception(exc, kind)
+
+
+def _strict_bool(value: Any, _: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
 
 
 def _strict_number(kind: type[Any]) -> Any:
@@ -134,13 +260,25 @@ def load_settings(path: Path | None) -> ServerSettings:
         raise SettingsError(f"{path}: {exc}") from exc
     if not isinstance(doc, dict):
         raise SettingsError(f"{path}: the file must be a mapping of blocks, like 'auth: {{…}}'")
+    try:
+        return settings_from_doc(doc)
+    except SettingsError as exc:
+        raise SettingsError(f"{path}: {exc}") from None
+
+
+def settings_from_doc(doc: Mapping[str, Any]) -> ServerSettings:
+    """Settings from a document of plain types (YAML or the store's JSON).
+
+    Raises:
+        SettingsError: an unknown key or a bad value, with the key's path.
+    """
     for key, value in doc.items():
         if not (isinstance(value, dict) or value is None):
-            raise SettingsError(f"{path}: {key!r} must be a block of settings (a mapping)")
+            raise SettingsError(f"{key!r} must be a block of settings (a mapping)")
     try:
-        return _converter.structure(doc, ServerSettings)
+        return _converter.structure(dict(doc), ServerSettings)
     except cattrs.BaseValidationError as exc:
-        messages = "; ".join(cattrs.transform_error(exc, path=""))
-        raise SettingsError(f"{path}: {messages.replace('$.', '').replace(' @ ', ' at ')}") from exc
+        messages = "; ".join(cattrs.transform_error(exc, path="", format_exception=_say_error))
+        raise SettingsError(messages.replace("$.", "").replace(" @ ", " at ")) from exc
     except (TypeError, ValueError) as exc:
-        raise SettingsError(f"{path}: {exc}") from exc
+        raise SettingsError(str(exc)) from exc

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.accounting.prices import Price
-from llmgw.control.settings import SettingsError, load_settings, parse_duration_s
+from llmgw.control.settings import SettingsError, load_settings, parse_duration_s, settings_from_doc
 
 
 def test_without_a_file_the_spec_defaults_apply() -> None:
@@ -58,3 +58,34 @@ def test_duration_forms() -> None:
     assert parse_duration_s(7) == 7
     with pytest.raises(ValueError, match="duration"):
         parse_duration_s("soon")
+
+
+def test_live_blocks_have_defaults_and_bands_parse_from_a_document() -> None:
+    settings = settings_from_doc(
+        {
+            "serving": {"stopped": True},
+            "router": {
+                "admission": {
+                    "bands": [
+                        {"name": "gold", "priority": 300, "saturation": 1, "queue_ttl": "1m"},
+                        {"name": "bulk", "priority": 1, "saturation": 0.25},
+                    ]
+                }
+            },
+            "on_demand": {"evict_after_idle": "2s"},
+        }
+    )
+    assert settings.serving.stopped is True
+    gold, bulk = settings.router.admission.bands
+    assert (gold.name, gold.priority, gold.queue_ttl) == ("gold", 300, 60.0)
+    assert (bulk.saturation, bulk.queue_ttl) == (0.25, 30.0)
+    assert settings.on_demand.evict_after_idle == 2.0
+    assert settings.on_demand.min_lifetime == 300.0
+    assert settings.nodes.drain_grace == 300.0
+
+
+def test_a_band_that_may_fill_more_than_every_slot_is_refused() -> None:
+    with pytest.raises(SettingsError, match="saturation"):
+        settings_from_doc(
+            {"router": {"admission": {"bands": [{"name": "x", "priority": 1, "saturation": 2}]}}}
+        )
