@@ -13,19 +13,26 @@ engine closed an idle connection under us); after that, errors propagate as
 :class:`UpstreamError`.
 
 Deadlines are the caller's (``trio.fail_after`` / ``move_on_after``), as
-everywhere in llmgw.
+everywhere in llmgw; a pool may also be given its own ``connect_timeout_s``
+for dialing (TCP connect and TLS handshake).
+
+Outside providers speak HTTPS: a pool given an ``ssl_context`` wraps each new
+connection in a :class:`trio.SSLStream` and completes the handshake while
+dialing; a reused connection costs nothing more than a plain one.
 """
 
 from __future__ import annotations
 
+import functools
+import ssl
 from collections import deque
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, Protocol, cast
 
 import h11
 import trio
 
-__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "default_ssl_context"]
 
 #: Idle connections kept per endpoint; more are closed when given back.
 MAX_IDLE_PER_ENDPOINT: Final = 512
@@ -48,11 +55,29 @@ class UpstreamError(Exception):
         self.before_response = before_response
 
 
+@functools.cache
+def default_ssl_context() -> ssl.SSLContext:
+    """The client TLS context for outside providers: the system's trusted
+    CAs, hostname checks on, HTTP/1.1 offered by ALPN. One per process."""
+    context = ssl.create_default_context()
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+class _Stream(Protocol):
+    """What a connection uses of its stream. ``receive_some`` of a TLS stream
+    gives a ``bytearray``, which h11 takes as the bytes-like it documents."""
+
+    async def send_all(self, data: bytes) -> None: ...
+    async def receive_some(self, max_bytes: int | None = None) -> bytes: ...
+    async def aclose(self) -> None: ...
+
+
 class _Connection:
     __slots__ = ("h11", "stream")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = cast(_Stream, stream)
         self.h11 = h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
 
 
@@ -147,15 +172,47 @@ class UpstreamResponse:
 
 
 class UpstreamPool:
-    """Keep-alive connections to one engine at ``host:port``."""
+    """Keep-alive connections to one engine (or provider) at ``host:port``.
 
-    def __init__(self, host: str, port: int, *, max_idle: int = MAX_IDLE_PER_ENDPOINT) -> None:
+    Args:
+        max_idle: idle connections kept; more are closed when given back.
+        ssl_context: speak HTTPS with this context
+            (:func:`default_ssl_context` for public providers); ``None``:
+            plain HTTP.
+        server_hostname: the name the certificate must carry, sent by SNI and
+            in ``Host``; ``host`` when not given.
+        connect_timeout_s: dialing a new connection (TCP connect, then the
+            TLS handshake) must finish within this many seconds, else
+            :class:`UpstreamError`; ``None``: the caller's deadlines only.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        max_idle: int = MAX_IDLE_PER_ENDPOINT,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+        connect_timeout_s: float | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self._idle: deque[_Connection] = deque()
         self._max_idle = max_idle
-        self._host_header = f"{host}:{port}".encode()
+        self._ssl_context = ssl_context
+        self._server_hostname = server_hostname or host
+        self._connect_timeout_s = connect_timeout_s
+        name = self._server_hostname if ssl_context is not None else host
+        if ":" in name:
+            name = f"[{name}]"  # an IPv6 address
+        default_port = 443 if ssl_context is not None else None
+        self._host_header = (name if port == default_port else f"{name}:{port}").encode()
         self.connections_opened = 0
+
+    @property
+    def tls(self) -> bool:
+        return self._ssl_context is not None
 
     def statistics(self) -> dict[str, int]:
         return {"idle": len(self._idle), "opened": self.connections_opened}
@@ -199,14 +256,47 @@ class UpstreamPool:
             await _close(connection)
 
     async def _dial(self) -> _Connection:
+        if self._connect_timeout_s is None:
+            stream = await self._open()
+        else:
+            opened: trio.abc.Stream | None = None
+            with trio.move_on_after(self._connect_timeout_s):
+                opened = await self._open()
+            if opened is None:
+                raise UpstreamError(
+                    f"cannot connect to {self.host}:{self.port}: "
+                    f"no connection within {self._connect_timeout_s:g} s",
+                    before_response=True,
+                )
+            stream = opened
+        self.connections_opened += 1
+        return _Connection(stream)
+
+    async def _open(self) -> trio.abc.Stream:
         try:
-            stream = await trio.open_tcp_stream(self.host, self.port)
+            tcp = await trio.open_tcp_stream(self.host, self.port)
         except OSError as exc:
             raise UpstreamError(
                 f"cannot connect to {self.host}:{self.port}: {exc}", before_response=True
             ) from exc
-        self.connections_opened += 1
-        return _Connection(stream)
+        if self._ssl_context is None:
+            return tcp
+        stream = trio.SSLStream(
+            tcp, self._ssl_context, server_hostname=self._server_hostname, https_compatible=True
+        )
+        try:
+            await stream.do_handshake()
+        except (trio.BrokenResourceError, OSError) as exc:
+            await trio.aclose_forcefully(tcp)
+            reason = exc.__cause__ or exc
+            raise UpstreamError(
+                f"TLS handshake with {self._server_hostname}:{self.port} failed: {reason}",
+                before_response=True,
+            ) from exc
+        except BaseException:
+            await trio.aclose_forcefully(tcp)
+            raise
+        return stream
 
     async def _exchange(
         self, connection: _Connection, request: h11.Request, body: bytes
@@ -252,8 +342,13 @@ class _Stale(Exception):
 
 
 async def _close(connection: _Connection) -> None:
+    stream = connection.stream
     with trio.CancelScope(shield=True):
         try:
-            await connection.stream.aclose()
+            if type(stream) is trio.SocketStream:
+                await stream.aclose()
+            else:
+                # TLS: no waiting on a close_notify a peer may never read.
+                await trio.aclose_forcefully(cast(trio.abc.Stream, stream))
         except (trio.BrokenResourceError, OSError):
             pass
