@@ -13,6 +13,8 @@ Routes:
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: streamed (SSE) or
   not, in OpenAI's shapes, with ``usage`` (``prompt_tokens_details.cached_tokens``
   from a small prefix cache of 16-token blocks).
+- Chat also honours ``tools``/``tool_choice``, ``n``, ``logprobs``/``top_logprobs``,
+  ``stop`` and ``response_format`` (see below), and ``--reasoning``.
 - ``POST /v1/embeddings``: deterministic unit vectors from a hash of each input.
 - ``POST /tokenize``: ``{"tokens": [...], "count": n, "max_model_len": m}``.
 - ``GET /metrics``: a few vLLM-style Prometheus series.
@@ -22,6 +24,29 @@ one). The answer is the words ``tok0 ``, ``tok1 `` … streamed ``--ttft-ms``
 after the request, then at ``--tokens-per-second`` per stream however many
 streams run. Streams wake at most every ``--tick-ms`` and send every token
 due since the last wake in one write, so hundreds of streams fit on one core.
+The answer never depends on ``seed`` or on chance: the same request gets the
+same text.
+
+Chat requests beyond plain text (answered on a slower path, each streamed
+piece counted as one completion token):
+
+- ``tools``: when ``tool_choice`` is not ``"none"`` and the last message is
+  the user's, the answer is one call to the first tool (or the one
+  ``tool_choice`` names) with arguments holding the schema's required
+  properties as placeholders (string ``"sim"``, number/integer 1, boolean
+  true, array [], object its own required ones), ``finish_reason``
+  ``tool_calls``; streamed as OpenAI tool call deltas (id, type and name
+  first, then the arguments in 8-character pieces).
+- ``--reasoning``: ``--reasoning-tokens`` words ``thought0 `` … come first
+  as ``reasoning_content`` (llama.cpp's and vLLM's field).
+- ``n``: that many identical choices; ``usage.completion_tokens`` sums them.
+- ``logprobs``/``top_logprobs``: a made-up ``logprobs.content`` entry per
+  content piece.
+- ``stop``: the content is cut before the first stop string it holds
+  (``finish_reason`` ``stop``).
+- ``response_format`` ``json_object``: the content is ``{"answer": "tok0 …"}``;
+  ``json_schema``: placeholders for the schema, as for tools.
+- ``max_tokens`` caps the pieces (reasoning first), ``finish_reason`` ``length``.
 
 The app is a plain ASGI callable (:class:`SimEngine`) served by hypercorn's
 trio worker (:func:`serve`).
@@ -129,6 +154,9 @@ class SimConfig:
             for ``dimensions``.
         tick_ms: the least time between two writes to one stream, in ms.
         seed: seeds the choice of failing and hanging requests.
+        reasoning: chat answers start with reasoning text
+            (``reasoning_content``).
+        reasoning_tokens: words of reasoning when ``reasoning`` is on.
 
     Raises:
         ValueError: a value is out of range.
@@ -149,6 +177,8 @@ class SimConfig:
     embedding_dim: int = attrs.field(default=384, validator=_counts)
     tick_ms: float = attrs.field(default=50.0, validator=_amounts)
     seed: int = 0
+    reasoning: bool = False
+    reasoning_tokens: int = attrs.field(default=8, validator=_counts)
 
 
 # -- the model ----------------------------------------------------------------
@@ -383,6 +413,274 @@ class _Plan:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+
+
+# -- answers beyond plain text (chat) ----------------------------------------------------
+
+#: Characters per streamed piece of JSON (tool call arguments, JSON answers).
+_JSON_PIECE = 8
+
+#: The most choices (``n``) and ``top_logprobs`` a request may ask for.
+_MAX_CHOICES = 128
+_MAX_TOP_LOGPROBS = 20
+
+#: How deep :func:`_placeholder` follows a JSON schema.
+_MAX_SCHEMA_DEPTH = 32
+
+_PLACEHOLDERS: dict[Any, Any] = {
+    "string": "sim",
+    "number": 1,
+    "integer": 1,
+    "boolean": True,
+    "array": [],
+    "null": None,
+}
+
+# Piece kinds: reasoning text, content text, a tool call's head (its text
+# is the function name), a piece of a tool call's arguments.
+_REASONING, _CONTENT, _CALL, _ARGUMENTS = "r", "c", "t", "a"
+
+
+@attrs.frozen
+class _Rich:
+    """A chat answer on the slower path: the pieces of one choice (each
+    streamed as one chunk and counted as one token), repeated ``n`` times."""
+
+    pieces: tuple[tuple[str, str], ...]
+    finish_reason: str
+    n: int
+    top_logprobs: int | None  # None: no logprobs asked
+
+    def text(self, kind: str) -> str:
+        return "".join(text for k, text in self.pieces if k == kind)
+
+    def tool_name(self) -> str | None:
+        for kind, text in self.pieces:
+            if kind == _CALL:
+                return text
+        return None
+
+
+def _placeholder(schema: Any, depth: int = 0) -> Any:
+    """A value that fits a (simple) JSON schema: objects hold just their
+    required properties; unknown shapes give ``"sim"``."""
+    if depth > _MAX_SCHEMA_DEPTH or not isinstance(schema, dict):
+        return "sim"
+    if "const" in schema:
+        return schema["const"]
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return enum[0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and options:
+            return _placeholder(options[0], depth + 1)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object" or (kind is None and "properties" in schema):
+        properties = schema.get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        required = schema.get("required")
+        names = required if isinstance(required, list) else []
+        return {
+            name: _placeholder(properties.get(name), depth + 1)
+            for name in names
+            if isinstance(name, str)
+        }
+    return _PLACEHOLDERS.get(kind, "sim")
+
+
+def _json_pieces(kind: str, text: str) -> list[tuple[str, str]]:
+    return [(kind, text[i : i + _JSON_PIECE]) for i in range(0, len(text), _JSON_PIECE)]
+
+
+def _bounded_int(doc: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = doc.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _RequestError(400, f"'{name}' must be an integer from {low} to {high}")
+    return value
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _RequestError(400, "'stop' must be a string or a list of strings")
+    return [s for s in value if s]
+
+
+def _tool_call(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """The (name, arguments JSON) of the call to answer with, or None."""
+    tools = doc.get("tools")
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise _RequestError(400, "'tools' must be a list")
+    functions: dict[str, Any] = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise _RequestError(400, "each tool needs 'function.name'")
+        assert isinstance(function, dict)
+        functions.setdefault(name, function)
+    choice = doc.get("tool_choice")
+    if choice is None or choice in ("auto", "required"):
+        name = next(iter(functions))
+    elif choice == "none":
+        return None
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in functions:
+            raise _RequestError(400, f"'tool_choice' names a tool not in 'tools': {name!r}")
+    else:
+        raise _RequestError(400, "'tool_choice' must be none, auto, required or a function")
+    last = doc["messages"][-1]  # _chat_text checked the list
+    if last.get("role") != "user":
+        return None
+    arguments = _placeholder(functions[name].get("parameters"))
+    if not isinstance(arguments, dict):
+        arguments = {}
+    return name, orjson.dumps(arguments).decode()
+
+
+def _json_answer(response_format: Any, tokens: int) -> str | None:
+    """The JSON text ``response_format`` asks for, or None for plain text."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, dict):
+            return orjson.dumps(_placeholder(schema)).decode()
+        kind = "json_object"
+    if kind == "json_object":
+        return orjson.dumps({"answer": _answer_text(tokens)}).decode()
+    raise _RequestError(400, "'response_format.type' must be text, json_object or json_schema")
+
+
+def _cut_at_stop(
+    pieces: list[tuple[str, str]], stops: list[str]
+) -> tuple[list[tuple[str, str]], bool]:
+    """``pieces`` with the content cut before the first stop string it holds."""
+    content = "".join(text for kind, text in pieces if kind == _CONTENT)
+    found = [at for at in (content.find(stop) for stop in stops) if at >= 0]
+    if not found:
+        return pieces, False
+    left = min(found)
+    kept: list[tuple[str, str]] = []
+    for kind, text in pieces:
+        if kind != _CONTENT:
+            kept.append((kind, text))
+            continue
+        if left <= 0:
+            break
+        if len(text) >= left:
+            kept.append((kind, text[:left]))
+            break
+        kept.append((kind, text))
+        left -= len(text)
+    return kept, True
+
+
+def _rich_answer(doc: dict[str, Any], config: SimConfig, max_tokens: int | None) -> _Rich | None:
+    """The answer when the request asks for more than plain text, else None
+    (then the fast path answers)."""
+    n = doc.get("n")
+    if not (
+        config.reasoning
+        or doc.get("tools")
+        or doc.get("logprobs")
+        or doc.get("stop")
+        or doc.get("response_format")
+        or (n is not None and n != 1)
+    ):
+        return None
+    choices = _bounded_int(doc, "n", 1, 1, _MAX_CHOICES)
+    logprobs = _flag(doc, "logprobs")
+    top = _bounded_int(doc, "top_logprobs", 0, 0, _MAX_TOP_LOGPROBS)
+    stops = _stop_strings(doc.get("stop"))
+    call = _tool_call(doc)
+    pieces: list[tuple[str, str]] = []
+    if config.reasoning:
+        pieces += [(_REASONING, f"thought{i} ") for i in range(config.reasoning_tokens)]
+    if call is not None:
+        pieces.append((_CALL, call[0]))
+        pieces += _json_pieces(_ARGUMENTS, call[1])
+        finish = "tool_calls"
+    else:
+        json_text = _json_answer(doc.get("response_format"), config.tokens)
+        if json_text is None:
+            pieces += [(_CONTENT, f"tok{i} ") for i in range(config.tokens)]
+        else:
+            pieces += _json_pieces(_CONTENT, json_text)
+        finish = "stop"
+    if max_tokens is not None and max_tokens <= len(pieces):
+        pieces = pieces[:max_tokens]
+        finish = "length"
+    if stops and call is None:
+        pieces, stopped = _cut_at_stop(pieces, stops)
+        if stopped:
+            finish = "stop"
+    return _Rich(tuple(pieces), finish, choices, top if logprobs else None)
+
+
+def _logprob(text: str, top: int) -> dict[str, Any]:
+    """A made-up (deterministic) ``logprobs.content`` entry for ``text``."""
+    value = -((zlib.crc32(text.encode()) % 1000) + 1) / 1000.0
+    entry: dict[str, Any] = {
+        "token": text,
+        "logprob": value,
+        "bytes": list(text.encode()),
+        "top_logprobs": [],
+    }
+    if top:
+        entry["top_logprobs"] = [
+            {"token": text, "logprob": value, "bytes": list(text.encode())},
+            *(
+                {"token": f"alt{j}", "logprob": value - j, "bytes": list(f"alt{j}".encode())}
+                for j in range(1, top)
+            ),
+        ]
+    return entry
+
+
+def _rich_delta(kind: str, text: str, call_id: str) -> dict[str, Any]:
+    if kind == _CONTENT:
+        return {"content": text}
+    if kind == _REASONING:
+        return {"reasoning_content": text}
+    if kind == _CALL:
+        call = {"index": 0, "id": call_id, "type": "function"}
+        return {"tool_calls": [{**call, "function": {"name": text, "arguments": ""}}]}
+    return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+
+
+def _rich_message(rich: _Rich, call_id: str) -> dict[str, Any]:
+    content = rich.text(_CONTENT)
+    name = rich.tool_name()
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if name is None and not content:
+        message["content"] = ""
+    reasoning = rich.text(_REASONING)
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if name is not None:
+        function = {"name": name, "arguments": rich.text(_ARGUMENTS)}
+        message["tool_calls"] = [{"id": call_id, "type": "function", "function": function}]
+    return message
+
+
+def _call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
 
 
 # -- the ASGI app -------------------------------------------------------------------
@@ -630,7 +928,8 @@ class SimEngine:
         stream = _flag(doc, "stream")
         include_usage = stream and _include_usage(doc)
         max_tokens = _max_tokens(doc, "max_completion_tokens", "max_tokens")
-        await self._generate(receive, send, "chat", text, max_tokens, stream, include_usage)
+        rich = _rich_answer(doc, self.config, max_tokens)
+        await self._generate(receive, send, "chat", text, max_tokens, stream, include_usage, rich)
 
     async def _completions(self, receive: Receive, send: Send) -> None:
         doc = await self._read_json(receive)
@@ -651,11 +950,15 @@ class SimEngine:
         max_tokens: int | None,
         stream: bool,
         include_usage: bool,
+        rich: _Rich | None = None,
     ) -> None:
         if await self._maybe_fail(send):
             return
         hang = bool(self.config.hang_rate) and self._rng.random() < self.config.hang_rate
         plan = self._plan(text, max_tokens)
+        if rich is not None:
+            plan.completion_tokens = len(rich.pieces) * rich.n
+            plan.finish_reason = rich.finish_reason
         started = trio.current_time()
         async with trio.open_nursery() as nursery:
             # Stop generating when the client goes away (ASGI http.disconnect).
@@ -663,7 +966,7 @@ class SimEngine:
             try:
                 if hang:
                     await trio.sleep_forever()
-                await self._in_slot(send, kind, plan, started, stream, include_usage)
+                await self._in_slot(send, kind, plan, started, stream, include_usage, rich)
             except trio.Cancelled:
                 # hypercorn may report the disconnect while the last write is
                 # still in send(); that request did finish.
@@ -680,6 +983,7 @@ class SimEngine:
         started: float,
         stream: bool,
         include_usage: bool,
+        rich: _Rich | None,
     ) -> None:
         if self._slots is not None:
             self.waiting += 1
@@ -691,7 +995,12 @@ class SimEngine:
             started = trio.current_time()
         self.running += 1
         try:
-            if stream:
+            if rich is not None:
+                if stream:
+                    await self._stream_rich(send, rich, plan, started, include_usage)
+                else:
+                    await self._whole_rich(send, rich, plan, started)
+            elif stream:
                 await self._stream(send, kind, plan, started, include_usage)
             else:
                 await self._whole(send, kind, plan, started)
@@ -702,7 +1011,9 @@ class SimEngine:
 
     def _finish(self, plan: _Plan) -> None:
         plan.done = True
-        self._finished[plan.finish_reason] += 1
+        # vLLM counts a tool call's end as a plain stop.
+        reason = plan.finish_reason
+        self._finished["stop" if reason == "tool_calls" else reason] += 1
 
     def _first_token_at(self, started: float) -> float:
         return started + self.config.ttft_ms / 1000.0
@@ -777,6 +1088,27 @@ class SimEngine:
             closing.append(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
         closing.append(b"data: [DONE]\n\n")
 
+        def render(start: int, end: int) -> list[bytes]:
+            parts: list[bytes] = []
+            for index in range(start, end):
+                parts += (first_head if index == 0 else head, _token_json(index), tail)
+            return parts
+
+        await self._pace(send, plan, started, plan.completion_tokens, 1, render, closing)
+
+    async def _pace(
+        self,
+        send: Send,
+        plan: _Plan,
+        started: float,
+        steps: int,
+        tokens_per_step: int,
+        render: Callable[[int, int], list[bytes]],
+        closing: list[bytes],
+    ) -> None:
+        """Stream ``steps`` steps (the bytes of steps [a, b) from ``render(a,
+        b)``) at the configured rate, every step due in one write, then
+        ``closing``."""
         await send(
             {
                 "type": "http.response.start",
@@ -787,7 +1119,6 @@ class SimEngine:
                 ],
             }
         )
-        count = plan.completion_tokens
         rate = self.config.tokens_per_second
         tick = self.config.tick_ms / 1000.0
         first_at = self._first_token_at(started)
@@ -795,13 +1126,11 @@ class SimEngine:
         sent = 0
         while True:
             now = trio.current_time()
-            due = count if not rate else min(count, 1 + int((now - first_at) * rate + 1e-9))
-            parts: list[bytes] = []
-            for index in range(sent, due):
-                parts += (first_head if index == 0 else head, _token_json(index), tail)
-            self._generation_tokens_total += due - sent
+            due = steps if not rate else min(steps, 1 + int((now - first_at) * rate + 1e-9))
+            parts = render(sent, due)
+            self._generation_tokens_total += (due - sent) * tokens_per_step
             sent = due
-            if sent == count:
+            if sent == steps:
                 parts += closing
                 self._finish(plan)
                 await send({"type": "http.response.body", "body": b"".join(parts)})
@@ -810,8 +1139,100 @@ class SimEngine:
                 await send(
                     {"type": "http.response.body", "body": b"".join(parts), "more_body": True}
                 )
-            # Token `sent` is due at first_at + sent / rate; wake no sooner than a tick.
+            # Step `sent` is due at first_at + sent / rate; wake no sooner than a tick.
             await trio.sleep_until(max(first_at + sent / rate, now + tick))
+
+    async def _whole_rich(self, send: Send, rich: _Rich, plan: _Plan, started: float) -> None:
+        steps = len(rich.pieces)
+        done_at = self._first_token_at(started)
+        rate = self.config.tokens_per_second
+        if rate and steps > 1:
+            done_at += (steps - 1) / rate
+        await trio.sleep_until(done_at)
+        self._generation_tokens_total += plan.completion_tokens
+        logprobs = None
+        if rich.top_logprobs is not None:
+            top = rich.top_logprobs
+            entries = [_logprob(text, top) for kind, text in rich.pieces if kind == _CONTENT]
+            logprobs = {"content": entries, "refusal": None}
+        choices = [
+            {
+                "index": index,
+                "message": _rich_message(rich, _call_id()),
+                "logprobs": logprobs,
+                "finish_reason": rich.finish_reason,
+            }
+            for index in range(rich.n)
+        ]
+        body = orjson.dumps(
+            {
+                "id": f"chatcmpl-{secrets.token_hex(12)}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.config.model,
+                "choices": choices,
+                "usage": plan.usage(),
+            }
+        )
+        self._finish(plan)
+        await _send_json(send, 200, body)
+
+    async def _stream_rich(
+        self, send: Send, rich: _Rich, plan: _Plan, started: float, include_usage: bool
+    ) -> None:
+        envelope = {
+            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.config.model,
+        }
+        call_ids = [_call_id() for _ in range(rich.n)]
+        top = rich.top_logprobs
+
+        def render(start: int, end: int) -> list[bytes]:
+            parts: list[bytes] = []
+            for step in range(start, end):
+                kind, text = rich.pieces[step]
+                logprobs = None
+                if top is not None and kind == _CONTENT:
+                    logprobs = {"content": [_logprob(text, top)]}
+                for index in range(rich.n):
+                    delta = _rich_delta(kind, text, call_ids[index])
+                    if step == 0:
+                        delta = {"role": "assistant", **delta}
+                    choice = {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": None,
+                    }
+                    chunk = {**envelope, "choices": [choice]}
+                    parts.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            return parts
+
+        closing = [
+            b"data: "
+            + orjson.dumps(
+                {
+                    **envelope,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": {},
+                            "logprobs": None,
+                            "finish_reason": rich.finish_reason,
+                        }
+                    ],
+                }
+            )
+            + b"\n\n"
+            for index in range(rich.n)
+        ]
+        if include_usage:
+            usage_chunk = {**envelope, "choices": [], "usage": plan.usage()}
+            closing.append(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
+        closing.append(b"data: [DONE]\n\n")
+        await self._pace(send, plan, started, len(rich.pieces), rich.n, render, closing)
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
@@ -914,6 +1335,12 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         "--tick-ms", type=float, default=50.0, help="least time between writes to a stream"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reasoning", action="store_true", help="chat answers start with reasoning_content"
+    )
+    parser.add_argument(
+        "--reasoning-tokens", type=int, default=8, help="reasoning words with --reasoning"
+    )
     ns = parser.parse_args(argv)
     try:
         return SimConfig(
@@ -932,6 +1359,8 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
             embedding_dim=ns.embedding_dim,
             tick_ms=ns.tick_ms,
             seed=ns.seed,
+            reasoning=ns.reasoning,
+            reasoning_tokens=ns.reasoning_tokens,
         )
     except ValueError as error:
         parser.error(str(error))
