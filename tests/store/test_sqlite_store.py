@@ -173,6 +173,8 @@ async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Pa
         (2, "0002_tenancy.sql"),
         (3, "0003_personal_keys.sql"),
         (4, "0004_catalog.sql"),
+        (5, "0005_settings_history.sql"),
+        (6, "0006_usage_cache_hit.sql"),
     ]
     assert backups(path) == []
 

@@ -478,3 +478,94 @@ async def test_the_data_is_still_there_after_the_store_is_reopened(
         assert await store.get_model("gemma") == make_model("gemma")
         assert await store.get_setting("x") == [1]
         assert await store.acquire_lease("leader", "cp-b", ttl_s=10.0, now=5.0) is None
+
+
+# --- the cluster settings document (versioned) -----------------------------------
+
+
+async def test_there_is_no_settings_document_before_the_first_put(store: Store) -> None:
+    assert await store.get_settings_doc() is None
+    assert await store.settings_version() == 0
+    assert await store.settings_history(10) == []
+
+
+async def test_each_put_of_the_settings_document_is_a_new_version(store: Store) -> None:
+    first = await store.put_settings_doc(
+        {"serving": {"stopped": False}}, expected_version=0, actor="server.yaml", note="seed"
+    )
+    second = await store.put_settings_doc(
+        {"serving": {"stopped": True}}, expected_version=first, actor="admin (key_1)"
+    )
+    assert (first, second) == (1, 2)
+    assert await store.settings_version() == 2
+    assert await store.get_settings_doc() == (2, {"serving": {"stopped": True}})
+
+
+async def test_a_put_with_a_stale_expected_version_is_a_conflict_and_changes_nothing(
+    store: Store,
+) -> None:
+    await store.put_settings_doc({"a": 1}, expected_version=0, actor="x")
+    await store.put_settings_doc({"a": 2}, expected_version=1, actor="y")
+    with pytest.raises(Conflict, match="version 2"):
+        await store.put_settings_doc({"a": 3}, expected_version=1, actor="z")
+    with pytest.raises(Conflict):
+        await store.put_settings_doc({"a": 3}, expected_version=0, actor="seed again")
+    assert await store.get_settings_doc() == (2, {"a": 2})
+
+
+async def test_a_put_without_an_expected_version_always_lands(store: Store) -> None:
+    assert await store.put_settings_doc({"a": 1}, expected_version=None, actor="x") == 1
+    assert await store.put_settings_doc({"a": 2}, expected_version=None, actor="x") == 2
+
+
+async def test_of_many_writers_expecting_one_version_exactly_one_wins(store: Store) -> None:
+    await store.put_settings_doc({"n": -1}, expected_version=0, actor="seed")
+    won: list[int] = []
+
+    async def write(n: int) -> None:
+        try:
+            await store.put_settings_doc({"n": n}, expected_version=1, actor=f"w{n}")
+        except Conflict:
+            return
+        won.append(n)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(10):
+            nursery.start_soon(write, n)
+    assert len(won) == 1
+    assert await store.get_settings_doc() == (2, {"n": won[0]})
+
+
+async def test_the_settings_history_is_newest_first_with_actor_and_note(store: Store) -> None:
+    for n in range(5):
+        await store.put_settings_doc(
+            {"n": n}, expected_version=None, actor=f"actor {n}", note=f"note {n}"
+        )
+    history = await store.settings_history(3)
+    assert [c.version for c in history] == [5, 4, 3]
+    assert [c.document for c in history] == [{"n": 4}, {"n": 3}, {"n": 2}]
+    assert [(c.actor, c.note) for c in history] == [
+        ("actor 4", "note 4"),
+        ("actor 3", "note 3"),
+        ("actor 2", "note 2"),
+    ]
+    assert history[0].changed_at >= history[-1].changed_at > 0
+    assert len(await store.settings_history(100)) == 5
+    with pytest.raises(ValueError, match="at least 1"):
+        await store.settings_history(0)
+
+
+async def test_a_settings_document_that_is_not_json_is_refused(store: Store) -> None:
+    with pytest.raises(TypeError):
+        await store.put_settings_doc({"a": {1, 2}}, expected_version=None, actor="x")
+    with pytest.raises(ValueError, match=r"JSON|NaN|nan|range"):
+        await store.put_settings_doc({"a": float("inf")}, expected_version=None, actor="x")
+    assert await store.settings_version() == 0
+
+
+async def test_the_settings_document_survives_a_reopen(open_test_store: OpenStore) -> None:
+    async with open_test_store() as store:
+        await store.put_settings_doc({"nodes": {"cordoned": ["n1"]}}, expected_version=0, actor="x")
+    async with open_test_store() as store:
+        assert await store.get_settings_doc() == (1, {"nodes": {"cordoned": ["n1"]}})
+        assert await store.settings_version() == 1

@@ -23,6 +23,7 @@ from .records import (
     Org,
     ProjectPath,
     Scope,
+    SettingChange,
     SummaryBy,
     Team,
     UsageRow,
@@ -196,6 +197,40 @@ class Store(Protocol):
         ...
 
     async def put_setting(self, key: str, value: Any) -> None: ...
+
+    # --- the cluster settings document (versioned) -----------------------------
+    async def get_settings_doc(self) -> tuple[int, dict[str, Any]] | None:
+        """The live settings document and its version, or ``None`` before the
+        first :meth:`put_settings_doc`."""
+        ...
+
+    async def put_settings_doc(
+        self,
+        doc: Mapping[str, Any],
+        *,
+        expected_version: int | None,
+        actor: str,
+        note: str = "",
+    ) -> int:
+        """Keep ``doc`` (plain JSON types) as the next version; return it.
+
+        Optimistic concurrency: with ``expected_version`` given, the write
+        happens only if the live version is still that one (0 = no document
+        yet), else :class:`Conflict`; ``None`` writes unconditionally. The
+        check and the write are one transaction. The older versions stay as
+        history. Raises ``TypeError``/``ValueError`` when ``doc`` is not JSON.
+        """
+        ...
+
+    async def settings_version(self) -> int:
+        """The live document's version; 0 when there is none. Cheap: every
+        control plane calls it each second."""
+        ...
+
+    async def settings_history(self, last: int = 20) -> list[SettingChange]:
+        """The ``last`` newest versions, newest first (``ValueError`` if
+        ``last`` < 1)."""
+        ...
 
     # --- leases --------------------------------------------------------------
     async def acquire_lease(self, name: str, holder: str, ttl_s: float, now: float) -> Lease | None:

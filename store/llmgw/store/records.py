@@ -24,6 +24,7 @@ __all__ = [
     "Project",
     "ProjectPath",
     "Scope",
+    "SettingChange",
     "SummaryBy",
     "Team",
     "UsageRow",
@@ -190,6 +191,8 @@ class UsageRow:
     images: int = 0
     meshes: int = 0
     cost_micros: int = 0
+    #: Answered from the exact answer cache (no tokens, no cost).
+    cache_hit: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -400,3 +403,24 @@ class Lease:
     holder: str
     epoch: int
     expires_at: float
+
+
+@attrs.frozen(kw_only=True)
+class SettingChange:
+    """One version of the cluster settings document (``settings_history``).
+
+    Attributes:
+        version: 1 for the first document, one more for each change.
+        document: the whole settings document of this version (plain JSON
+            types, the unstructured ``ServerSettings``).
+        changed_at: UTC epoch seconds.
+        actor: who changed it (an admin key's name and id, ``server.yaml``
+            for the seed).
+        note: why, free text (may be empty).
+    """
+
+    version: int
+    document: dict[str, Any]
+    changed_at: float
+    actor: str = ""
+    note: str = ""

@@ -60,6 +60,7 @@ from .records import (
     Project,
     ProjectPath,
     Scope,
+    SettingChange,
     SummaryBy,
     Team,
     UsageRow,
@@ -413,6 +414,60 @@ class SqliteStore:
         text = json.dumps(value, allow_nan=False, separators=(",", ":"))
         await self._run(partial(_put_setting, key=key, text=text, now=time.time()))
 
+    # --- the cluster settings document (versioned) -----------------------------
+    async def get_settings_doc(self) -> tuple[int, dict[str, Any]] | None:
+        """The live settings document and its version, or ``None`` before the
+        first :meth:`put_settings_doc`."""
+        return await self._run(_get_settings_doc)
+
+    async def put_settings_doc(
+        self,
+        doc: Mapping[str, Any],
+        *,
+        expected_version: int | None,
+        actor: str,
+        note: str = "",
+    ) -> int:
+        """Keep ``doc`` as the next version (a new ``settings_history`` row); return it.
+
+        Args:
+            doc: the whole document, plain JSON types.
+            expected_version: write only if the live version is this one
+                (0 = none yet); ``None`` writes whatever the live version is.
+            actor: who makes the change.
+            note: why (free text).
+
+        Raises:
+            Conflict: ``expected_version`` is not the live version.
+            TypeError: ``doc`` is not JSON (e.g. holds a set).
+            ValueError: ``doc`` holds NaN or infinity, which JSON cannot.
+        """
+        text = json.dumps(dict(doc), allow_nan=False, sort_keys=True, separators=(",", ":"))
+        return await self._run(
+            partial(
+                _put_settings_doc,
+                text=text,
+                expected_version=expected_version,
+                actor=actor,
+                note=note,
+                now=time.time(),
+            )
+        )
+
+    async def settings_version(self) -> int:
+        """The live document's version; 0 when there is none."""
+        return await self._run(_settings_version)
+
+    async def settings_history(self, last: int = 20) -> list[SettingChange]:
+        """The ``last`` newest versions, newest first.
+
+        Raises:
+            ValueError: ``last`` is less than 1.
+        """
+        if last < 1:
+            raise ValueError(f"last must be at least 1, not {last}")
+        return await self._run(partial(_settings_history, last=last))
+
     # --- leases --------------------------------------------------------------
     async def acquire_lease(self, name: str, holder: str, ttl_s: float, now: float) -> Lease | None:
         """Take or renew the lease ``name`` for ``holder`` until ``now + ttl_s``.
@@ -727,6 +782,7 @@ def _usage_from_row(row: sqlite3.Row) -> UsageRow:
         images=row["images"],
         meshes=row["meshes"],
         cost_micros=row["cost_micros"],
+        cache_hit=bool(row["cache_hit"]),
     )
 
 
@@ -738,8 +794,8 @@ def hour_of(at: float) -> int:
 _INSERT_USAGE = (
     "INSERT INTO usage (request_id, created_at, key_id, model, status, prompt_tokens,"
     " cached_tokens, completion_tokens, duration_ms, ttft_ms, replica_id, stream, endpoint,"
-    " project_id, team_id, org_id, served_model, images, meshes, cost_micros)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " project_id, team_id, org_id, served_model, images, meshes, cost_micros, cache_hit)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     # Only a repeated request id is skipped; any other bad row fails the batch.
     " ON CONFLICT (request_id) DO NOTHING"
 )
@@ -786,6 +842,7 @@ def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
                     r.images,
                     r.meshes,
                     r.cost_micros,
+                    int(r.cache_hit),
                 ),
             )
             if cursor.rowcount != 1:
@@ -1164,6 +1221,64 @@ def _put_setting(conn: sqlite3.Connection, *, key: str, text: str, now: float) -
             " updated_at = excluded.updated_at",
             (key, text, now),
         )
+
+
+def _settings_version(conn: sqlite3.Connection) -> int:
+    rows = _rows(conn, "SELECT COALESCE(MAX(version), 0) AS v FROM settings_history")
+    return int(rows[0]["v"])
+
+
+def _get_settings_doc(conn: sqlite3.Connection) -> tuple[int, dict[str, Any]] | None:
+    rows = _rows(
+        conn, "SELECT version, document FROM settings_history ORDER BY version DESC LIMIT 1"
+    )
+    if not rows:
+        return None
+    return int(rows[0]["version"]), dict(json.loads(rows[0]["document"]))
+
+
+def _put_settings_doc(
+    conn: sqlite3.Connection,
+    *,
+    text: str,
+    expected_version: int | None,
+    actor: str,
+    note: str,
+    now: float,
+) -> int:
+    with write_transaction(conn):
+        current = _settings_version(conn)
+        if expected_version is not None and expected_version != current:
+            raise Conflict(
+                f"the settings changed meanwhile: version {current} is live, not "
+                f"{expected_version}"
+            )
+        version = current + 1
+        conn.execute(
+            "INSERT INTO settings_history (version, document, changed_at, actor, note)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (version, text, now, actor, note),
+        )
+    return version
+
+
+def _settings_history(conn: sqlite3.Connection, *, last: int) -> list[SettingChange]:
+    rows = _rows(
+        conn,
+        "SELECT version, document, changed_at, actor, note FROM settings_history"
+        " ORDER BY version DESC LIMIT ?",
+        (last,),
+    )
+    return [
+        SettingChange(
+            version=int(r["version"]),
+            document=dict(json.loads(r["document"])),
+            changed_at=float(r["changed_at"]),
+            actor=r["actor"],
+            note=r["note"],
+        )
+        for r in rows
+    ]
 
 
 def _acquire_lease(
