@@ -7,9 +7,11 @@ it. Everything here runs on the trio thread, so plain dicts suffice.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Final
@@ -20,15 +22,26 @@ import trio
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
 from llmgw.router.breaker import Breaker
-from llmgw.store import ModelRecord
+from llmgw.store import ModelRecord, Profile, profile_fingerprint
 
 from .settings import ServerSettings
 
-__all__ = ["Cluster", "Endpoint", "NodeInfo", "ShardInfo", "engine_key"]
+__all__ = [
+    "Cluster",
+    "Endpoint",
+    "NodeInfo",
+    "ShardInfo",
+    "compute_lacks_gpu",
+    "engine_key",
+    "parse_replica_id",
+    "replica_fingerprint",
+    "replica_id_for",
+]
 
 log = logging.getLogger("llmgw.control")
 
-#: How long a node may stay silent before it is counted lost, in seconds.
+#: How long a node's link may stay down before the node counts lost and its
+#: replicas are placed elsewhere, in seconds.
 NODE_LOST_AFTER_S: Final = 30.0
 
 
@@ -115,6 +128,22 @@ class Endpoint:
 
 @attrs.define(kw_only=True)
 class NodeInfo:
+    """A node as its agent reported it.
+
+    Attributes:
+        hardware: what discovery found at registration.
+        gpus: the cards as of the latest heartbeat (foreign memory
+            re-evaluated each beat); at first ``hardware.gpus``.
+        engines: the engines the agent has installed (``Register.engines``).
+        labels: the node's labels, matched by profile selectors.
+        connected: the link is up.
+        disconnected_at: when the link went down (clock of
+            :meth:`Cluster.now`), ``None`` while connected; the node counts
+            lost :data:`NODE_LOST_AFTER_S` later.
+        busy_ports: engine ports found taken by other processes; not
+            offered again.
+    """
+
     node_id: str
     address: str
     hardware: protocol.Hardware
@@ -124,16 +153,54 @@ class NodeInfo:
     memory_available_mb: int = 0
     load_1m: float = 0.0
     send: Callable[[protocol.Message], Awaitable[None]] | None = None
-    #: Engine ports found taken by other processes; not offered again.
     busy_ports: set[int] = attrs.field(factory=set)
+    engines: tuple[str, ...] = ()
+    labels: dict[str, str] = attrs.field(factory=dict)
+    gpus: tuple[protocol.Gpu, ...] = ()
+    disconnected_at: float | None = None
 
 
 @attrs.define(kw_only=True)
 class ShardInfo:
-    """One shard as the control plane sees it.
+    """One shard as the control plane sees it; one shard per replica until
+    multi-node layouts, so ``shard_id == replica_id``.
 
-    ``wanted`` is False once the reconciler decided to stop it. ``failures``
-    counts consecutive failures for the restart back-off.
+    Times are seconds on the clock of :meth:`Cluster.now` (wall-clock UTC
+    epoch seconds unless a test injected another clock).
+
+    Attributes:
+        replica_id: ``<model>-<slot>`` for a replica's first generation,
+            ``<model>-<slot>.g<generation>`` for a successor started by a
+            rolling restart or a move (:func:`replica_id_for`).
+        slot: which of the model's wanted replicas this is (0-based); -1
+            when the id follows no known scheme (it is then an extra).
+        generation: 1 for the first replica of a slot, +1 per successor.
+        profile: the catalog profile it was started from ("" = not known
+            yet, e.g. adopted before the catalog was read).
+        fingerprint: :func:`replica_fingerprint` it was started with; "" =
+            unknown (an agent too old to keep it).
+        stale: the fingerprint differs from the catalog's current one for
+            its slot; the reconciler rolls it.
+        state, reason: as reported (``reason`` quotes the engine's last
+            output line on FAILED).
+        compute: what the engine said it runs on ("CPU", "CUDA0 …").
+        progress, progress_at: the latest start-up progress and when it
+            came; the start counts as progress (start deadline).
+        failures: consecutive failures, for the restart back-off.
+        restarts: restarts issued after failures or losses (visible count).
+        restart_at: when the next restart is due; 0 = none scheduled.
+        started_at, ready_at: the latest start; when it became READY.
+        retiring: the reconciler decided it goes (scale-down, successor
+            ready, drain, eviction, removed model): it takes no new
+            requests, and is stopped once its requests finished.
+        retire_reason: why it is retiring.
+        stop_sent_at: when ``StopShard`` went out; the shard keeps its port
+            and room until the agent confirms the stop.
+        last_used_at: the latest request routed to its model (:meth:`Cluster.touch`).
+        gpu_indices: the cards it was placed on.
+        memory_gb, cpu_cores, gpu_memory_mb: what it reserves: host GB,
+            cores, MiB on each card (0 = the cards whole).
+        adopted: found running at registration rather than started here.
     """
 
     shard_id: str
@@ -141,32 +208,149 @@ class ShardInfo:
     model: str
     node_id: str
     port: int
+    slot: int = -1
+    generation: int = 1
+    profile: str = ""
+    fingerprint: str = ""
+    stale: bool = False
     state: ShardState = ShardState.STARTING
     reason: str = ""
     last_lines: tuple[str, ...] = ()
+    compute: str = ""
+    progress: str = ""
+    progress_at: float = 0.0
     failures: int = 0
+    restarts: int = 0
     restart_at: float = 0.0
     started_at: float = attrs.field(factory=time.time)
     ready_at: float | None = None
-    wanted: bool = True
-    fingerprint: str = ""
+    retiring: bool = False
+    retire_reason: str = ""
+    retiring_at: float = 0.0
+    stop_sent_at: float | None = None
+    #: A StopShard must go out though the shard is not retiring (it failed
+    #: here: no progress, or no GPU); the reconciler sends it.
+    stop_pending: bool = False
+    last_used_at: float = 0.0
+    gpu_indices: tuple[int, ...] = ()
+    memory_gb: float = 0.0
+    cpu_cores: int = 0
+    gpu_memory_mb: float = 0.0
+    adopted: bool = False
+
+    @property
+    def wanted(self) -> bool:
+        """Not retiring."""
+        return not self.retiring
+
+
+def replica_fingerprint(model: ModelRecord, profile: Profile) -> str:
+    """The fingerprint a replica of ``profile`` is started with and compared
+    against: ``profile_fingerprint`` of the profile with the fields that do
+    not change a running engine — ``replicas``, ``priority``,
+    ``startup_timeout_s`` — set to fixed values, so scaling or reordering
+    profiles does not make replicas stale (no rolling restart)."""
+    return profile_fingerprint(
+        model, attrs.evolve(profile, replicas=1, priority=0, startup_timeout_s=1200.0)
+    )
+
+
+def replica_id_for(model: str, slot: int, generation: int = 1) -> str:
+    """The replica id of ``slot``'s ``generation``: ``gemma-0``, ``gemma-0.g2``."""
+    return f"{model}-{slot}" if generation <= 1 else f"{model}-{slot}.g{generation}"
+
+
+def parse_replica_id(model: str, replica_id: str) -> tuple[int, int]:
+    """``(slot, generation)`` of a replica id made by :func:`replica_id_for`;
+    ``(-1, 1)`` for an id of another shape."""
+    prefix = f"{model}-"
+    if not replica_id.startswith(prefix):
+        return -1, 1
+    match = _REPLICA_TAIL.fullmatch(replica_id[len(prefix) :])
+    if match is None:
+        return -1, 1
+    return int(match.group(1)), int(match.group(2) or 1)
+
+
+_REPLICA_TAIL: Final = re.compile(r"(\d+)(?:\.g(\d+))?")
+_GPU_WORDS: Final = ("cuda", "gpu", "rocm", "hip", "vulkan", "metal", "sycl", "nvidia")
+_ZERO_OFFLOAD: Final = re.compile(r"\boffloaded 0/\d+ layers|\b0 layers offloaded")
+
+
+def compute_lacks_gpu(compute: str) -> bool:
+    """Whether the engine's own compute report says it runs without a GPU.
+
+    The rule (``shared/spec/reconciler-and-lifecycle.md``, Compute check):
+    lowercased, the text says "no gpu" / "no usable gpu", or reports zero
+    layers offloaded ("offloaded 0/N layers", "0 layers offloaded"), or
+    mentions "cpu" and none of cuda, gpu, rocm, hip, vulkan, metal, sycl,
+    nvidia. So "CPU" is without GPU, "CUDA0 NVIDIA H100 (+CPU)" is not; an
+    empty report says nothing.
+    """
+    text = compute.lower()
+    if not text.strip():
+        return False
+    if "no gpu" in text or "no usable gpu" in text or _ZERO_OFFLOAD.search(text):
+        return True
+    return "cpu" in text and not any(word in text for word in _GPU_WORDS)
 
 
 class Cluster:
-    """The live view of nodes, shards and ready endpoints."""
+    """The live view of nodes, shards and ready endpoints.
 
-    def __init__(self) -> None:
+    Args:
+        clock: seconds now, for every time the cluster and the reconciler
+            keep (default wall-clock ``time.time``; tests pass
+            ``trio.current_time`` to run under a mock clock).
+
+    Attributes:
+        nodes, shards: by node id and shard id.
+        endpoints: the READY, not retiring replicas per model (the router's view).
+        models: the catalog as the reconciler last read it, by model name.
+        catalog_loaded: the catalog was read at least once; the reconciler
+            neither starts nor stops anything before.
+        settings: the live settings, replaced whole by the settings loop.
+        gpu_plans: the per-card GPU need in MiB of ``(model, profile)``,
+            written by the model planner; placement takes cards whole
+            without one.
+        drain_started: when each draining node was first seen draining in
+            the settings (kept in memory only: a new leader starts the
+            grace afresh, which errs on serving longer).
+        waiting: replicas the reconciler wants but cannot start yet, by
+            the replica id they would get, with why ("profile default fits
+            on no node: node-a: needs 12.0 GB host memory; …"); rewritten
+            each pass. The jobs' "waiting for room" and ``ctl replicas``
+            read it.
+        orphans: ``(node_id, shard_id)`` of engines to stop that the
+            cluster keeps no record for (duplicates found at adoption); the
+            reconciler sends their ``StopShard``.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self.nodes: dict[str, NodeInfo] = {}
         self.shards: dict[str, ShardInfo] = {}
         self.endpoints: dict[str, list[Endpoint]] = {}
-        #: The catalog as the reconciler last read it, by model name.
         self.models: dict[str, ModelRecord] = {}
+        self.catalog_loaded = False
         self.secret: bytes = b""
-        #: The live settings, replaced whole by the settings loop.
         self.settings = ServerSettings()
         self.changed = trio.Event()
         self.is_leader = False
+        self.gpu_plans: dict[tuple[str, str], float] = {}
+        self.drain_started: dict[str, float] = {}
+        self.orphans: list[tuple[str, str]] = []
+        self.waiting: dict[str, str] = {}
+        self._clock = clock
         self._pending: dict[str, trio.MemorySendChannel[protocol.Message]] = {}
+        #: Every READY shard's endpoint, retiring ones included (their
+        #: requests in flight are counted until they stop).
+        self._endpoint_of: dict[str, Endpoint] = {}
+        self._last_used: dict[str, float] = {}
+        self._waiters: collections.Counter[str] = collections.Counter()
+
+    def now(self) -> float:
+        """Seconds now on the cluster's clock."""
+        return self._clock()
 
     # --- notifications --------------------------------------------------------
 
@@ -175,59 +359,255 @@ class Cluster:
         self.changed.set()
         self.changed = trio.Event()
 
+    # --- demand, from the gateway ------------------------------------------------
+
+    def touch(self, model: str, *, at: float | None = None) -> None:
+        """Record a use of ``model`` (a request routed to it) at ``at``
+        (default now; standby routers report theirs). Idle on-demand
+        replicas are evicted ``on_demand.evict_after_idle`` seconds after
+        the latest use. Cheap: call it per request."""
+        when = self.now() if at is None else at
+        if model in self._last_used and when <= self._last_used[model]:
+            return
+        self._last_used[model] = when
+        for shard in self.shards.values():
+            if shard.model == model:
+                shard.last_used_at = max(shard.last_used_at, when)
+
+    def last_used(self, model: str) -> float:
+        """The latest :meth:`touch` of ``model``, 0 when never used."""
+        return self._last_used.get(model, 0.0)
+
+    def demand(self, model: str) -> None:
+        """Ask for ``model`` to be loaded: records a use (:meth:`touch`) and
+        wakes the reconciler, which starts the replicas of an on-demand
+        model that has none. Then wait on :attr:`changed` until
+        :meth:`ready_endpoints` has one, or use :meth:`wait_ready`."""
+        self.touch(model)
+        self.poke()
+
+    def is_demanded(self, model: str) -> bool:
+        """Whether an on-demand ``model`` is wanted now: someone waits in
+        :meth:`wait_ready`, or it was used within ``on_demand.evict_after_idle``."""
+        if self._waiters[model] > 0:
+            return True
+        used = self._last_used.get(model)
+        if used is None:
+            return False
+        return self.now() - used < self.settings.on_demand.evict_after_idle
+
+    async def wait_ready(self, model: str) -> None:
+        """Demand ``model`` (:meth:`demand`) and wait until it has a READY
+        endpoint. The demand holds while waiting. The caller bounds the
+        wait (``trio.fail_after(settings.on_demand.load_wait)``); for a
+        stopped model it would wait for ever.
+
+        Raises:
+            LookupError: ``model`` is not in the catalog.
+        """
+        if model not in self.models:
+            raise LookupError(f"no model {model!r} in the catalog")
+        self._waiters[model] += 1
+        try:
+            self.demand(model)
+            while not self.ready_endpoints(model):
+                await self.changed.wait()
+        finally:
+            self._waiters[model] -= 1
+            if self._waiters[model] <= 0:
+                del self._waiters[model]
+
     # --- from the hub -----------------------------------------------------------
 
     def node_registered(
         self, register: protocol.Register, send: Callable[[protocol.Message], Awaitable[None]]
     ) -> None:
+        """A node (re)connected: record it and reconcile its running shards.
+
+        Shards the control plane knows on this node take the agent's state
+        and keep everything else (restart counts, retiring; a retiring one
+        still running is sent its stop again). Shards it does
+        not know are **adopted** without a restart (after a control-plane
+        restart): a :class:`ShardInfo` from ``RunningShard`` (model, port,
+        fingerprint, compute, cards, state), ``stale`` when the catalog is
+        known and no profile of the model has that fingerprint. A shard id
+        the cluster has on another node is a duplicate: the READY one is
+        kept and the other engine stopped (:attr:`orphans`). Shards thought
+        to be here that the agent no longer runs are STOPPED.
+        """
+        now = self.now()
+        previous = self.nodes.get(register.node_id)
         node = NodeInfo(
             node_id=register.node_id,
             address=register.address,
             hardware=register.hardware,
             agent_version=register.agent_version,
-            last_seen=time.time(),
+            last_seen=now,
             memory_available_mb=register.hardware.memory_available_mb,
             send=send,
+            busy_ports=previous.busy_ports if previous is not None else set(),
+            engines=tuple(register.engines),
+            labels=dict(register.labels),
+            gpus=register.hardware.gpus,
         )
         self.nodes[register.node_id] = node
         for running in register.running_shards:
             shard = self.shards.get(running.shard_id)
-            if shard is None:
-                continue  # adoption of unknown shards comes with the catalog work
-            self._set_state(shard, running.state, "", ())
-        # Shards the control plane thought were on this node but the agent
-        # no longer runs have stopped.
+            if shard is not None and shard.node_id == register.node_id:
+                if running.compute:
+                    shard.compute = running.compute
+                if shard.retiring:
+                    shard.stop_sent_at = None  # still running: the stop goes out again
+                if shard.state is not running.state:
+                    self._set_state(shard, running.state, "", ())
+                continue
+            if shard is not None:
+                if shard.state is ShardState.READY and not shard.retiring:
+                    log.warning(
+                        "node %s runs %s, which is already on %s: stopping the duplicate",
+                        register.node_id,
+                        running.shard_id,
+                        shard.node_id,
+                    )
+                    self.orphans.append((register.node_id, running.shard_id))
+                    continue
+                log.warning(
+                    "node %s runs %s, placed again on %s meanwhile: keeping the running one",
+                    register.node_id,
+                    running.shard_id,
+                    shard.node_id,
+                )
+                self.orphans.append((shard.node_id, shard.shard_id))
+                del self.shards[shard.shard_id]
+            adopted = self._adopt(running, register.node_id, now)
+            self.shards[adopted.shard_id] = adopted
+            log.info(
+                "adopted %s on %s (port %d, %s%s)",
+                adopted.replica_id,
+                register.node_id,
+                adopted.port,
+                adopted.state,
+                ", stale" if adopted.stale else "",
+            )
         running_ids = {r.shard_id for r in register.running_shards}
-        for shard in self.shards.values():
-            if (
-                shard.node_id == register.node_id
-                and shard.shard_id not in running_ids
-                and shard.state in (ShardState.STARTING, ShardState.READY)
-            ):
+        for shard in list(self.shards.values()):
+            if shard.node_id != register.node_id or shard.shard_id in running_ids:
+                continue
+            if shard.retiring:
+                del self.shards[shard.shard_id]  # it was going anyway, and is gone
+            elif shard.state in (ShardState.STARTING, ShardState.READY):
                 self._set_state(shard, ShardState.STOPPED, "not running after agent reconnect", ())
+        self._rebuild_endpoints()
         self.poke()
 
+    def _adopt(self, running: protocol.RunningShard, node_id: str, now: float) -> ShardInfo:
+        slot, generation = parse_replica_id(running.model, running.replica_id)
+        shard = ShardInfo(
+            shard_id=running.shard_id,
+            replica_id=running.replica_id,
+            model=running.model,
+            node_id=node_id,
+            port=running.port,
+            slot=slot,
+            generation=generation,
+            fingerprint=running.fingerprint,
+            state=running.state,
+            compute=running.compute,
+            gpu_indices=tuple(running.gpu_indices),
+            started_at=now,
+            progress_at=now,
+            ready_at=now if running.state is ShardState.READY else None,
+            last_used_at=self._last_used.get(running.model, 0.0),
+            adopted=True,
+        )
+        model = self.models.get(running.model)
+        if model is not None and running.fingerprint:
+            for profile in model.profiles:
+                if replica_fingerprint(model, profile) == running.fingerprint:
+                    shard.profile = profile.name
+                    shard.memory_gb = profile.min_memory_gb
+                    shard.cpu_cores = profile.cpu_cores
+                    shard.gpu_memory_mb = self.gpu_plans.get((model.name, profile.name), 0.0)
+                    break
+            else:
+                shard.stale = True
+        return shard
+
     def node_disconnected(self, node_id: str) -> None:
+        """The node's link closed; its shards stay until it counts lost."""
         node = self.nodes.get(node_id)
         if node is not None:
             node.connected = False
             node.send = None
+            node.disconnected_at = self.now()
         self.poke()
 
     def heartbeat(self, beat: protocol.Heartbeat) -> None:
+        """Fold a heartbeat in: memory, load, and the cards' foreign use
+        (kept as before when the beat carries no cards)."""
         node = self.nodes.get(beat.node_id)
         if node is not None:
-            node.last_seen = time.time()
+            node.last_seen = self.now()
             node.memory_available_mb = beat.memory_available_mb
             node.load_1m = beat.load_1m
+            if beat.gpus:
+                node.gpus = beat.gpus
 
-    def shard_status(self, status: protocol.ShardStatus) -> None:
+    def shard_status(self, status: protocol.ShardStatus, node_id: str | None = None) -> None:
+        """Fold a shard's report in and wake the reconciler.
+
+        ``node_id`` is the reporting node: a report about a shard the
+        cluster has on another node (a stopped duplicate) is ignored. A
+        retiring shard that reports STOPPED or FAILED is gone: it is
+        removed, freeing its port and room. STOPPED after FAILED keeps
+        FAILED (the back-off goes on). A READY shard placed on cards whose
+        engine reports no GPU (:func:`compute_lacks_gpu`) is failed here
+        and stopped by the reconciler. STARTING with ``progress`` moves the
+        start deadline.
+        """
         shard = self.shards.get(status.shard_id)
         if shard is None:
             log.info("status for unknown shard %s ignored", status.shard_id)
             return
+        if node_id is not None and node_id != shard.node_id:
+            log.info(
+                "status for %s from %s ignored: it runs on %s",
+                status.shard_id,
+                node_id,
+                shard.node_id,
+            )
+            return
+        if shard.retiring and status.state in (ShardState.STOPPED, ShardState.FAILED):
+            self.remove_shard(shard.shard_id)
+            self.poke()
+            return
+        if status.compute:
+            shard.compute = status.compute
+        if status.state is ShardState.STARTING and status.progress:
+            shard.progress = status.progress
+            shard.progress_at = self.now()
+        if status.state is ShardState.STOPPED and shard.state is ShardState.FAILED:
+            self.poke()
+            return
         self._set_state(shard, status.state, status.reason, status.last_lines)
+        if (
+            shard.state is ShardState.READY
+            and shard.gpu_indices
+            and compute_lacks_gpu(shard.compute)
+        ):
+            cards = ", ".join(map(str, shard.gpu_indices))
+            self.fail_shard(
+                shard,
+                f"engine found no usable GPU although placed on GPU(s) {cards} "
+                f"(engine reports: {shard.compute})",
+            )
         self.poke()
+
+    def fail_shard(self, shard: ShardInfo, reason: str) -> None:
+        """Fail ``shard`` here (not on the agent's word) and have the
+        reconciler send its ``StopShard``; the crash back-off restarts it."""
+        shard.stop_pending = True
+        self._set_state(shard, ShardState.FAILED, reason, ())
 
     def _set_state(
         self, shard: ShardInfo, state: ShardState, reason: str, last_lines: tuple[str, ...]
@@ -237,7 +617,7 @@ class Cluster:
         if state is ShardState.READY:
             shard.reason = ""
             if shard.ready_at is None or previous is not ShardState.READY:
-                shard.ready_at = time.time()
+                shard.ready_at = self.now()
         elif state is ShardState.FAILED:
             last = next(
                 (line.strip() for line in reversed(last_lines) if any(c.isalnum() for c in line)),
@@ -245,13 +625,16 @@ class Cluster:
             )
             shard.reason = f"{reason}; last output: {last}" if last else reason
             shard.last_lines = last_lines
+        elif state is ShardState.STOPPED and reason:
+            shard.reason = reason
         self._rebuild_endpoints()
 
     def _rebuild_endpoints(self) -> None:
-        old = {e.replica_id: e for eps in self.endpoints.values() for e in eps}
+        old = self._endpoint_of
+        kept: dict[str, Endpoint] = {}
         endpoints: dict[str, list[Endpoint]] = {}
         for shard in self.shards.values():
-            if shard.state is not ShardState.READY or not shard.wanted:
+            if shard.state is not ShardState.READY:
                 continue
             node = self.nodes.get(shard.node_id)
             if node is None:
@@ -265,7 +648,10 @@ class Cluster:
                     port=shard.port,
                     api_key=engine_key(self.secret, shard.replica_id),
                 )
-            endpoints.setdefault(shard.model, []).append(ep)
+            kept[shard.replica_id] = ep
+            if not shard.retiring:
+                endpoints.setdefault(shard.model, []).append(ep)
+        self._endpoint_of = kept
         self.endpoints = endpoints
 
     # --- queries ---------------------------------------------------------------
@@ -276,12 +662,32 @@ class Cluster:
     def any_ready(self) -> bool:
         return any(self.endpoints.values())
 
+    def in_flight(self, replica_id: str) -> int:
+        """Requests in flight on a READY replica (retiring ones included), 0
+        when it has no endpoint."""
+        ep = self._endpoint_of.get(replica_id)
+        return 0 if ep is None else ep.in_flight
+
     def add_shard(self, shard: ShardInfo) -> None:
+        """Record a shard (its ``last_used_at`` is at least its model's latest use)."""
+        shard.last_used_at = max(shard.last_used_at, self._last_used.get(shard.model, 0.0))
         self.shards[shard.shard_id] = shard
         self._rebuild_endpoints()
 
     def remove_shard(self, shard_id: str) -> None:
         self.shards.pop(shard_id, None)
+        self._rebuild_endpoints()
+
+    def retire(self, shard: ShardInfo, reason: str) -> None:
+        """Take ``shard`` out of service: no new requests; the reconciler
+        stops it once its requests in flight are done. Repeating is a no-op."""
+        if shard.retiring:
+            return
+        shard.retiring = True
+        shard.retire_reason = reason
+        shard.retiring_at = self.now()
+        shard.restart_at = 0.0
+        log.info("retiring %s on %s: %s", shard.replica_id, shard.node_id, reason)
         self._rebuild_endpoints()
 
     # --- request/reply over the link --------------------------------------------

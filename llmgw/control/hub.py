@@ -169,7 +169,7 @@ def _dispatch(cluster: Cluster, node_id: str, message: protocol.Message) -> None
                 log.warning("shard %s on %s failed: %s", message.shard_id, node_id, message.reason)
             else:
                 log.info("shard %s on %s is %s", message.shard_id, node_id, message.state)
-            cluster.shard_status(message)
+            cluster.shard_status(message, node_id)
         case protocol.LogsReply():
             cluster.reply(message.correlation_id, message)
         case protocol.Error():

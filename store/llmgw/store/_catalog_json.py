@@ -11,6 +11,7 @@ import hashlib
 import json
 from typing import Any
 
+import attrs
 import cattrs
 from cattrs.preconf.json import make_converter
 
@@ -60,12 +61,15 @@ def model_from_json(text: str) -> ModelRecord:
 
 def profile_fingerprint(model: ModelRecord, profile: Profile) -> str:
     """A short hash of what a replica was started from: the weights and the
-    profile. Carried in ``StartShard`` and returned at adoption; a replica
+    profile, but not its replica count, priority or start timeout. Carried in ``StartShard`` and returned at adoption; a replica
     whose fingerprint differs from the catalog's is stale."""
+    # How many run, in which order and how long a start may take change no
+    # replica: scaling must not roll them.
+    same = attrs.evolve(profile, replicas=1, priority=0, startup_timeout_s=0.0)
     doc = {
         "source": model.source,
         "sha256": model.sha256,
-        "profile": _converter.unstructure(profile),
+        "profile": _converter.unstructure(same),
     }
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
