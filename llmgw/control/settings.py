@@ -156,10 +156,14 @@ class AdmissionSettings:
 
 @attrs.frozen(kw_only=True)
 class CacheSettings:
-    """``router.cache``: the exact answer cache's bounds, in bytes."""
+    """``router.cache``: the exact answer cache's bounds, in bytes, and the
+    projects it is on for (``shared/spec/caching.md``)."""
 
     max_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=attrs.validators.ge(0))
     max_entry_bytes: int = attrs.field(default=1024 * 1024, validator=attrs.validators.ge(0))
+    #: Projects whose answers are cached: project id → time to live, in
+    #: seconds (``llmgw keys cache --project P --ttl 24h``; off when absent).
+    projects: Mapping[str, float] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)

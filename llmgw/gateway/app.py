@@ -2,16 +2,23 @@
 
 Routes (``shared/spec/gateway-api.md``, ``ha-and-leader.md``):
 
-- ``POST /v1/chat/completions``, ``POST /v1/completions`` — relayed to a
-  ready replica of the model, streamed or not;
+- ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` —
+  relayed to an endpoint of the model, streamed or not;
+- ``POST /v1/messages`` (Anthropic) and ``POST /v1/responses`` (OpenAI
+  Responses) — translated to the engines' chat API and back
+  (:mod:`llmgw.gateway.anthropic`, :mod:`llmgw.gateway.responses`);
 - ``GET /v1/models`` — the catalog;
 - ``GET /health``, ``GET /ready``, ``GET /leader`` — open, no store access.
 
-A request: read the body (bounded) → authenticate the key → parse and check
-the body → pick a ready replica → forward with the engine's own key (the
-client's ``Authorization`` never reaches the engine) → relay the answer,
-joining the events in hand into one write → queue a usage row and count
-metrics. A client that disconnects cancels the engine request.
+A request: read the body (bounded) → authenticate the key → refuse when the
+system is stopped → parse, translate and check the body → resolve the model
+(aliases) → limits and budgets → the answer cache → admission by band →
+choose an endpoint (``llmgw.router.scoring``), retrying on another one when
+it fails before the first byte and falling back to other models when the
+model has no room → forward with the engine's own key (the client's
+``Authorization`` never reaches the engine) → relay the answer, joining the
+events in hand into one write → queue a usage row and count metrics. A
+client that disconnects cancels the engine request.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import orjson
 import trio
@@ -28,15 +35,22 @@ import trio
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant, Refused, Reservation
 from llmgw.accounting.usage import UsageWriter
+from llmgw.agent.protocol import ShardState
 from llmgw.auth.keys import KeyAuthenticator, KeyRefused
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster, Endpoint
 from llmgw.engines.asgi import answer_lifespan
-from llmgw.store import KeyRecord, StoreError, UsageRow
+from llmgw.router import scoring
+from llmgw.router.admission import Admission, AdmissionTimeout, Band
+from llmgw.router.breaker import counts_as_failure, earliest_recovery, parse_retry_after_s
+from llmgw.router.cache import CACHE_REQUESTS, AnswerCache, CachedAnswer, cache_key
+from llmgw.router.external import ProviderKeys
+from llmgw.store import KeyRecord, ModelRecord, StoreError, UsageRow
 
+from . import anthropic, responses
 from .errors import ApiError, bad_request, unauthorized
 from .sse import SseRelay, Usage, usage_from
-from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from .upstream import UpstreamError, UpstreamPool, UpstreamResponse, default_ssl_context
 
 __all__ = ["MAX_BODY_BYTES", "Gateway"]
 
@@ -51,9 +65,11 @@ Send = Callable[[Message], Awaitable[None]]
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
 #: Seconds a client is told to wait when no replica is ready.
 RETRY_AFTER_S: Final = 5
-#: Upstream deadlines, in seconds.
-UPSTREAM_CONNECT_S: Final = 5.0
-UPSTREAM_READ_S: Final = 600.0
+#: Endpoints one request may be tried on (the first and the retries), when
+#: each fails before any byte reached the client.
+MAX_ATTEMPTS: Final = 3
+#: Longest wait for a cooling-down endpoint to recover, in seconds.
+MAX_RECOVERY_WAIT_S: Final = 30.0
 
 _JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream")
@@ -69,10 +85,107 @@ _CUT_STREAM_EVENT: Final = (
     b'"type":"server_error","code":"server_shutting_down","param":null}}\n\n'
 )
 
-_COMPLETION_ROUTES: Final = {
+#: Route → the request's kind.
+_ROUTES: Final = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
 }
+#: Kind → the engine route it is sent to (Anthropic and Responses requests
+#: are translated to chat).
+_UPSTREAM_PATH: Final = {
+    "chat": b"/v1/chat/completions",
+    "completions": b"/v1/completions",
+    "embeddings": b"/v1/embeddings",
+    "messages": b"/v1/chat/completions",
+    "responses": b"/v1/chat/completions",
+}
+#: Engines that answer ``n`` choices; others get ``n`` other than 1 refused.
+_ENGINES_WITH_N: Final = frozenset({"sim", "vllm", "sglang"})
+
+
+class _StreamShape(Protocol):
+    """A streamed answer's translator: engine SSE bytes in, client bytes out."""
+
+    usage: Usage | None
+    content_chunks: int
+
+    def feed(self, data: bytes) -> bytes: ...
+    def finish(self) -> bytes: ...
+    @property
+    def ended(self) -> bool: ...
+
+
+class _OpenAIStream:
+    """The engine's own stream, relayed (:class:`SseRelay`)."""
+
+    __slots__ = ("_relay",)
+
+    def __init__(self, pass_usage: bool) -> None:
+        self._relay = SseRelay(pass_usage=pass_usage)
+
+    @property
+    def usage(self) -> Usage | None:
+        return self._relay.usage
+
+    @usage.setter
+    def usage(self, value: Usage | None) -> None:
+        self._relay.usage = value
+
+    @property
+    def content_chunks(self) -> int:
+        return self._relay.content_chunks
+
+    @content_chunks.setter
+    def content_chunks(self, value: int) -> None:
+        self._relay.content_chunks = value
+
+    def feed(self, data: bytes) -> bytes:
+        return self._relay.feed(data)
+
+    def finish(self) -> bytes:
+        return self._relay.flush()
+
+    @property
+    def ended(self) -> bool:
+        return self._relay.saw_done
+
+
+class _TranslatedStream:
+    """An Anthropic or Responses stream made from the engine's chat stream."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: anthropic.MessagesStream | responses.ResponsesStream) -> None:
+        self._inner = inner
+
+    @property
+    def usage(self) -> Usage | None:
+        return self._inner.usage
+
+    @usage.setter
+    def usage(self, value: Usage | None) -> None:
+        self._inner.usage = value
+
+    @property
+    def content_chunks(self) -> int:
+        return self._inner.content_chunks
+
+    @content_chunks.setter
+    def content_chunks(self, value: int) -> None:
+        self._inner.content_chunks = value
+
+    def feed(self, data: bytes) -> bytes:
+        return self._inner.feed(data)
+
+    def finish(self) -> bytes:
+        return self._inner.finish()
+
+    @property
+    def ended(self) -> bool:
+        return self._inner.done
 
 
 class Gateway:
@@ -80,7 +193,7 @@ class Gateway:
 
     Args:
         authenticator: checks client keys.
-        cluster: ready endpoints, the catalog's model names, leadership.
+        cluster: ready endpoints, the catalog, the live settings, leadership.
         usage: where usage rows go (never awaited on the request path).
         max_body_bytes: request bodies larger than this get 413.
         accounting: limits, budgets and a usage row per request; off only
@@ -109,7 +222,19 @@ class Gateway:
         self._cluster = cluster
         self._usage = usage
         self._max_body_bytes = max_body_bytes
-        self._pools: dict[tuple[str, int], UpstreamPool] = {}
+        self._pools: dict[tuple[str, int, bool], UpstreamPool] = {}
+        #: Outside models' keys, with the (url, key files) they were made from.
+        self._providers: dict[str, tuple[object, ProviderKeys]] = {}
+        self._names: dict[str, ModelRecord] = {}
+        self._names_of: object = None
+        settings = cluster.settings
+        self._bands_of: object = settings.router.admission
+        self._admission = Admission(_bands(settings.router.admission.bands))
+        self._cache_settings: object = settings.router.cache
+        self._cache = AnswerCache(
+            max_bytes=settings.router.cache.max_bytes,
+            max_entry_bytes=settings.router.cache.max_entry_bytes,
+        )
 
     async def aclose(self) -> None:
         """Close the pooled upstream connections."""
@@ -128,11 +253,12 @@ class Gateway:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        if path in _COMPLETION_ROUTES:
+        route = _ROUTES.get(path)
+        if route is not None:
             if method != "POST":
                 await _answer(send, 405, _error(405, f"{path} takes POST"), [(b"allow", b"POST")])
                 return
-            await self._completion(scope, receive, send, _COMPLETION_ROUTES[path])
+            await self._completion(scope, receive, send, route)
         elif path == "/health":
             await _answer(send, 200, b'{"status":"ok"}')
         elif path == "/ready":
@@ -150,6 +276,10 @@ class Gateway:
                 await _answer(send, 405, _error(405, f"{path} takes GET"), [(b"allow", b"GET")])
                 return
             await self._models(scope, send)
+        elif (
+            path.startswith("/v1/") and method == "POST" and self._cluster.settings.serving.stopped
+        ):
+            await _answer(send, 503, _system_stopped().body())
         else:
             await _answer(send, 404, _error(404, f"no route {method} {path}", code="unknown_url"))
 
@@ -157,15 +287,63 @@ class Gateway:
 
     async def _models(self, scope: Scope, send: Send) -> None:
         try:
-            await self._authenticate(scope)
+            key = await self._authenticate(scope)
+            path = None
+            if self._accountant is not None and self._resolver is not None:
+                path, _ = await self._resolver.path(key)
         except ApiError as exc:
             await _answer(send, exc.status, exc.body(), exc.headers)
             return
-        data = [
-            {"id": name, "object": "model", "created": int(model.created_at), "owned_by": "llmgw"}
-            for name, model in sorted(self._cluster.models.items())
-        ]
+        except StoreError:
+            down = _store_unavailable()
+            await _answer(send, down.status, down.body(), down.headers)
+            return
+        data = []
+        for name, model in sorted(self._cluster.models.items()):
+            if (
+                path is not None
+                and self._accountant is not None
+                and not self._accountant.allowed(path, name)
+            ):
+                continue
+            entry: dict[str, Any] = {
+                "id": name,
+                "object": "model",
+                "created": int(model.created_at),
+                "owned_by": "external" if model.external is not None else "llmgw",
+                "max_output_tokens": model.max_output_tokens,
+            }
+            if model.aliases:
+                entry["aliases"] = list(model.aliases)
+            data.append(entry)
         await _answer(send, 200, orjson.dumps({"object": "list", "data": data}))
+
+    # --- the model namespace --------------------------------------------------------
+
+    def resolve(self, name: str) -> ModelRecord | None:
+        """The catalog model called ``name`` or having it as an alias."""
+        models = self._cluster.models
+        if models is not self._names_of:
+            names: dict[str, ModelRecord] = {}
+            for model in models.values():
+                for alias in model.aliases:
+                    names.setdefault(alias, model)
+            names.update(models)
+            self._names, self._names_of = names, models
+        return self._names.get(name)
+
+    def _sync_settings(self) -> None:
+        """Follow live changes of the admission bands and the cache bounds."""
+        router = self._cluster.settings.router
+        if router.admission is not self._bands_of:
+            self._bands_of = router.admission
+            self._admission.set_bands(_bands(router.admission.bands))
+        if router.cache is not self._cache_settings:
+            self._cache_settings = router.cache
+            self._cache.clear()
+            self._cache = AnswerCache(
+                max_bytes=router.cache.max_bytes, max_entry_bytes=router.cache.max_entry_bytes
+            )
 
     # --- completions ---------------------------------------------------------------
 
@@ -174,47 +352,118 @@ class Gateway:
         metrics.IN_FLIGHT.inc()
         try:
             call.key = await self._authenticate(scope)
+            if self._cluster.settings.serving.stopped:
+                raise _system_stopped()
             body = await _read_body(scope, receive, self._max_body_bytes)
             doc = _parse(body, kind)
-            call.model = doc["model"]
+            if kind == "messages":
+                call.client_doc = doc
+                doc = anthropic.request_to_chat(doc)
+            elif kind == "responses":
+                call.client_doc = doc
+                doc = responses.request_to_chat(doc)
             call.stream = doc.get("stream") is True
-            call.prompt_estimate = estimate_prompt_tokens(doc, kind, bytes_per_token=4)
-            if call.model not in self._cluster.models:
+            model = self.resolve(doc["model"])
+            if model is None:
                 raise ApiError(
                     404,
-                    f"The model '{call.model}' does not exist",
+                    f"The model '{doc['model']}' does not exist",
                     code="model_not_found",
                     param="model",
                 )
+            call.model = model.name
+            self._check(doc, model)
+            profile = _header(scope, b"x-llmgw-profile")
+            call.profile = (
+                profile.decode("latin-1") if profile else model.routing
+            ) or self._cluster.settings.router.scoring
+            if call.profile not in scoring.PROFILES:
+                raise bad_request(
+                    f"x-llmgw-profile must be one of {', '.join(sorted(scoring.PROFILES))}.",
+                    param="x-llmgw-profile",
+                )
+            call.prompt_estimate = estimate_prompt_tokens(
+                doc, _ESTIMATE_KIND[kind], bytes_per_token=4
+            )
             if self._accountant is not None and self._resolver is not None:
                 try:
-                    path, call.scope_ids = await self._resolver.path(call.key)
+                    call.path, call.scope_ids = await self._resolver.path(call.key)
                 except StoreError as exc:
                     log.error("cannot read a key's limits: %s", exc)
                     raise _store_unavailable() from None
                 try:
                     call.reservation = self._accountant.check(
-                        path, call.model, estimate_tokens(doc, kind), time.time()
+                        call.path,
+                        model.name,
+                        estimate_tokens(doc, _ESTIMATE_KIND[kind]),
+                        time.time(),
                     )
                 except Refused as refused:
-                    call.headers = self._accountant.rate_headers(path, time.time())
+                    call.headers = self._accountant.rate_headers(call.path, time.time())
                     raise _refusal(refused) from None
                 call.headers = call.reservation.headers()
-            endpoint = self._pick(call.model)
-            await self._forward(receive, send, call, doc, body, endpoint)
+            if model.on_demand:
+                self._cluster.touch(model.name)
+            refusal: list[ApiError] = []
+            with trio.CancelScope() as watch:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_on_disconnect, receive, watch)
+                    try:
+                        await self._answer_request(scope, send, call, doc, model)
+                    except ApiError as exc:
+                        refusal.append(exc)  # raised out here, not in a group
+                    nursery.cancel_scope.cancel()
+            if refusal:
+                raise refusal[0]
+            if watch.cancelled_caught and not call.finished:
+                self._finish(call, 499, call.usage)  # the client went away first
         except ApiError as exc:
+            body = (
+                anthropic.error_body(exc.status, exc.message) if kind == "messages" else exc.body()
+            )
             await _answer(
                 send,
                 exc.status,
-                exc.body(),
+                body,
                 (*exc.headers, *call.headers, (b"x-request-id", call.request_id.encode())),
             )
             self._finish(call, exc.status, None)
         finally:
             metrics.IN_FLIGHT.dec()
 
+    def _check(self, doc: dict[str, Any], model: ModelRecord) -> None:
+        """The model-dependent checks (``shared/spec/gateway-api.md``, pipeline step 3)."""
+        if model.stopped:
+            raise ApiError(
+                503,
+                f"The model '{model.name}' is stopped by an administrator.",
+                type="server_error",
+                code="model_stopped",
+            )
+        limit = model.max_output_tokens
+        for field in ("max_tokens", "max_completion_tokens"):
+            value = doc.get(field)
+            if limit and isinstance(value, int) and value > limit:
+                raise bad_request(
+                    f"'{field}' is {value}, above the {limit} tokens '{model.name}' may answer.",
+                    param=field,
+                )
+        n = doc.get("n")
+        if n is not None and n != 1:
+            engine = "external" if model.external is not None else _engine_of(model)
+            if engine != "external" and engine not in _ENGINES_WITH_N:
+                raise bad_request(
+                    f"'n' other than 1 is not supported by the {engine} engine serving "
+                    f"'{model.name}'.",
+                    param="n",
+                )
+
     async def _authenticate(self, scope: Scope) -> KeyRecord:
         header = _header(scope, b"authorization")
+        if not header:
+            header = _header(scope, b"x-api-key")  # Anthropic's clients
+            if header:
+                header = b"Bearer " + header
         if not header:
             raise unauthorized(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer sk-llmgw-…'."
@@ -230,80 +479,473 @@ class Gateway:
             log.error("cannot check a key: %s", exc)
             raise _store_unavailable() from None
 
-    def _pick(self, model: str) -> Endpoint:
-        endpoints = self._cluster.ready_endpoints(model)
-        if not endpoints:
+    # --- cache, admission, routing -------------------------------------------------------
+
+    async def _answer_request(
+        self, scope: Scope, send: Send, call: _Call, doc: dict[str, Any], model: ModelRecord
+    ) -> None:
+        self._sync_settings()
+        ttl_s = self._cache_ttl_s(call, scope)
+        if ttl_s is not None:
+            call.cache_key = cache_key(call.scope_ids[0], model.name, call.kind, doc)
+            hit = self._cache.get(call.cache_key)
+            CACHE_REQUESTS.labels(model.name, "hit" if hit is not None else "miss").inc()
+            if hit is not None:
+                await self._replay(send, call, hit)
+                return
+            call.cache_ttl_s = ttl_s
+        endpoints = self._endpoints(model)
+        capacity = 0 if model.external is not None else _capacity(endpoints, model)
+        band = (call.key.band if call.key is not None else "") or (
+            self._cluster.settings.router.admission.default_band
+        )
+        queued_at = time.perf_counter()
+        try:
+            ticket = await self._admission.admit(model.name, band, capacity)
+        except AdmissionTimeout as exc:
+            raise ApiError(
+                504,
+                f"'{model.name}' is busy and this request waited its band's limit; retry.",
+                type="server_error",
+                code="queue_timeout",
+                headers=[(b"retry-after", str(max(1, round(exc.retry_after_s))).encode())],
+            ) from None
+        call.waited_s += time.perf_counter() - queued_at
+        with ticket:
+            await self._route(scope, send, call, doc, model)
+
+    def _cache_ttl_s(self, call: _Call, scope: Scope) -> float | None:
+        projects = self._cluster.settings.router.cache.projects
+        if not projects or not call.scope_ids[0]:
+            return None
+        ttl_s = projects.get(call.scope_ids[0])
+        if ttl_s is None:
+            return None
+        asked = _header(scope, b"x-llmgw-cache")
+        if asked is not None and asked.strip().lower() in (b"no-store", b"bypass", b"off"):
+            CACHE_REQUESTS.labels(call.model, "bypass").inc()
+            return None
+        return ttl_s
+
+    def _endpoints(self, model: ModelRecord) -> list[Endpoint]:
+        """The model's endpoints now: its Ready replicas, or its outside keys."""
+        if model.external is not None:
+            external = model.external
+            source = (external.url, tuple((k.file, k.weight) for k in external.api_key_files))
+            found = self._providers.get(model.name)
+            if found is None or found[0] != source:
+                found = self._providers[model.name] = (
+                    source,
+                    ProviderKeys(model.name, external.url, list(source[1])),
+                )
+            return found[1].refresh(time.monotonic())
+        return self._cluster.ready_endpoints(model.name)
+
+    def _loading(self, model: ModelRecord) -> bool:
+        """The model has replicas starting, or loads on demand."""
+        if model.on_demand:
+            return True
+        return any(
+            s.model == model.name and s.wanted and s.state is ShardState.STARTING
+            for s in self._cluster.shards.values()
+        )
+
+    async def _targets(
+        self, call: _Call, model: ModelRecord, tried: set[str]
+    ) -> tuple[ModelRecord, Endpoint]:
+        """The model to send to (the one asked, else a fallback) and its endpoint.
+
+        Waits for a loading model (bounded by ``on_demand.load_wait``) and for
+        a cooling-down endpoint (bounded by :data:`MAX_RECOVERY_WAIT_S`).
+
+        Raises:
+            ApiError: 503 when nothing can answer.
+        """
+        waited_for_load = False
+        while True:
+            for target in (model, *self._fallbacks(call, model)):
+                endpoints = self._endpoints(target)
+                chosen = scoring.choose(
+                    endpoints, call.profile, session=call.session, exclude=tried
+                )
+                if chosen is not None:
+                    return target, chosen
+            if not waited_for_load and self._loading(model) and not tried:
+                waited_for_load = True
+                started = time.perf_counter()
+                await self._wait_loaded(model)
+                call.waited_s += time.perf_counter() - started
+                continue
+            endpoints = self._endpoints(model)
+            recovery = earliest_recovery(e for e in endpoints if e.replica_id not in tried)
+            if recovery is not None:
+                delay_s = recovery - time.monotonic()
+                if 0 < delay_s <= MAX_RECOVERY_WAIT_S:
+                    await trio.sleep(delay_s)
+                    continue
             raise ApiError(
                 503,
-                f"No replica of '{model}' is ready yet; retry shortly.",
+                f"No replica of '{model.name}' is ready yet; retry shortly.",
                 type="server_error",
                 code="model_not_ready",
                 headers=[(b"retry-after", str(RETRY_AFTER_S).encode())],
             )
-        return min(endpoints, key=lambda e: e.in_flight)
 
-    def _pool(self, endpoint: Endpoint) -> UpstreamPool:
-        key = (endpoint.host, endpoint.port)
-        pool = self._pools.get(key)
-        if pool is None:
-            pool = self._pools[key] = UpstreamPool(endpoint.host, endpoint.port)
-        return pool
+    async def _wait_loaded(self, model: ModelRecord) -> None:
+        """Wait, at most ``on_demand.load_wait``, for the model to have a Ready
+        replica (an on-demand model is loaded by this wait)."""
+        with trio.move_on_after(self._cluster.settings.on_demand.load_wait):
+            try:
+                await self._cluster.wait_ready(model.name)
+            except LookupError:
+                return  # removed from the catalog meanwhile
 
-    async def _forward(
-        self,
-        receive: Receive,
-        send: Send,
-        call: _Call,
-        doc: dict[str, Any],
-        body: bytes,
-        endpoint: Endpoint,
+    def _fallbacks(self, call: _Call, model: ModelRecord) -> list[ModelRecord]:
+        found = []
+        for name in model.fallbacks:
+            fallback = self.resolve(name)
+            if fallback is None or fallback.stopped or fallback.name == model.name:
+                continue
+            if (
+                call.path is not None
+                and self._accountant is not None
+                and not self._accountant.allowed(call.path, fallback.name)
+            ):
+                continue  # prompts go only where the key may send them
+            found.append(fallback)
+        return found
+
+    async def _route(
+        self, scope: Scope, send: Send, call: _Call, doc: dict[str, Any], model: ModelRecord
     ) -> None:
+        if call.profile == "chat":
+            call.session = scoring.session_key(doc, scope["headers"])
+        tried: set[str] = set()
+        body: bytes | None = None
+        body_for: str | None = None
         pass_usage = False
         if call.stream:
             options = doc.get("stream_options")
             pass_usage = isinstance(options, dict) and options.get("include_usage") is True
+            call.pass_usage = pass_usage
             if not pass_usage:
                 # Always ask the engine for the final usage; the relay keeps
                 # it from a client that did not ask.
                 doc["stream_options"] = {**(options or {}), "include_usage": True}
-                body = orjson.dumps(doc)
-        path = b"/v1/chat/completions" if call.kind == "chat" else b"/v1/completions"
+        for attempt in range(MAX_ATTEMPTS):
+            target, endpoint = await self._targets(call, model, tried)
+            upstream_model = target.external.model if target.external is not None else target.name
+            if body_for != upstream_model:
+                doc["model"] = upstream_model
+                body, body_for = orjson.dumps(doc), upstream_model
+            assert body is not None
+            call.served = target.name
+            last = attempt == MAX_ATTEMPTS - 1 or not self._more(call, model, tried, endpoint)
+            if await self._forward(send, call, body, endpoint, pass_usage, last=last):
+                return
+            tried.add(endpoint.replica_id)
+
+    def _more(self, call: _Call, model: ModelRecord, tried: set[str], endpoint: Endpoint) -> bool:
+        """Whether another endpoint could take a retry."""
+        skip = {*tried, endpoint.replica_id}
+        now = time.monotonic()
+        for target in (model, *self._fallbacks(call, model)):
+            for other in self._endpoints(target):
+                if other.replica_id not in skip and other.breaker.available(now):
+                    return True
+        return False
+
+    def _pool(self, endpoint: Endpoint) -> UpstreamPool:
+        key = (endpoint.host, endpoint.port, endpoint.tls)
+        pool = self._pools.get(key)
+        if pool is None:
+            timeouts = self._cluster.settings.router.timeouts
+            pool = self._pools[key] = UpstreamPool(
+                endpoint.host,
+                endpoint.port,
+                ssl_context=default_ssl_context() if endpoint.tls else None,
+                connect_timeout_s=timeouts.connect,
+            )
+        return pool
+
+    async def _forward(
+        self,
+        send: Send,
+        call: _Call,
+        body: bytes,
+        endpoint: Endpoint,
+        pass_usage: bool,
+        *,
+        last: bool,
+    ) -> bool:
+        """One attempt on ``endpoint``. ``True`` when the client got an
+        answer (good or not); ``False`` when it failed before any byte was
+        sent and another endpoint should be tried (never when ``last``)."""
+        path = endpoint.path_prefix.encode() + _UPSTREAM_PATH[call.kind]
         headers = [
             (b"authorization", endpoint.authorization),
             (b"content-type", b"application/json"),
             (b"x-request-id", call.request_id.encode()),
         ]
         pool = self._pool(endpoint)
-        call.replica_id = endpoint.replica_id
+        call.replica_id = endpoint.label
         endpoint.in_flight += 1
-        outcome = _Outcome()
+        sent_at = time.perf_counter()
+        call.overhead_s = max(0.0, sent_at - call.started - call.waited_s)
+        timeouts = self._cluster.settings.router.timeouts
         try:
-            with trio.CancelScope() as watch:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_cancel_on_disconnect, receive, watch)
-                    await _attempt(
-                        pool, path, body, headers, send, pass_usage, call, endpoint, outcome
+            try:
+                with trio.fail_after(timeouts.first_byte):
+                    response = await pool.request(b"POST", path, headers, body)
+            except (UpstreamError, trio.TooSlowError) as exc:
+                endpoint.breaker.failure(time.monotonic())
+                log.warning("endpoint %s did not answer: %r", endpoint.label, exc)
+                if not last:
+                    return False
+                raise ApiError(
+                    502,
+                    f"The replica serving '{call.model}' did not answer; retry.",
+                    type="server_error",
+                    code="upstream_error",
+                ) from exc
+            async with response:
+                status = response.status
+                if status != 200 and not last and _retryable(endpoint, status):
+                    retry_after = parse_retry_after_s(response.header(b"retry-after"), time.time())
+                    if endpoint.external and status in (401, 403):
+                        # A refused key sits out like one at its limit.
+                        endpoint.breaker.failure(time.monotonic(), status=429)
+                        log.error("external_key_refused: %s answered %d", endpoint.label, status)
+                    else:
+                        endpoint.breaker.failure(
+                            time.monotonic(), status=status, retry_after_s=retry_after
+                        )
+                        log.warning(
+                            "endpoint %s answered %d; trying another", endpoint.label, status
+                        )
+                    return False
+                with trio.move_on_after(timeouts.generation) as generation:
+                    await self._relay(send, call, endpoint, response)
+                if generation.cancelled_caught:
+                    log.warning(
+                        "%s: generation over %.0f s; cut", endpoint.label, timeouts.generation
                     )
-                    nursery.cancel_scope.cancel()
-            if watch.cancelled_caught and not outcome.finished:
-                outcome.status = 499  # the client went away first
+                    if not call.finished:
+                        call.finished = True
+                        self._finish(call, 504, call.usage)
+                if call.ttft_s is not None:
+                    endpoint.observe_ttft(call.ttft_s)
+                if status < 500 and status != 429:
+                    endpoint.breaker.success()
+                elif counts_as_failure(status):
+                    endpoint.breaker.failure(time.monotonic(), status=status)
+                return True
         finally:
             endpoint.in_flight -= 1
-            if outcome.connect_error is None:
-                call.ttft_s = outcome.ttft_s
-                self._finish(call, outcome.status, outcome.usage)
-        if outcome.connect_error is not None:
-            raise ApiError(
-                502,
-                f"The replica serving '{call.model}' did not answer; retry.",
-                type="server_error",
-                code="upstream_error",
-            ) from outcome.connect_error
+
+    async def _relay(
+        self, send: Send, call: _Call, endpoint: Endpoint, response: UpstreamResponse
+    ) -> None:
+        status = response.status
+        extra = [
+            (b"x-request-id", call.request_id.encode()),
+            (b"x-llmgw-replica", endpoint.label.encode()),
+            (b"x-llmgw-overhead-ms", b"%.3f" % (call.overhead_s * 1000)),
+            *call.headers,
+        ]
+        try:
+            if call.stream and status == 200:
+                await self._relay_stream(response, send, extra, call)
+                return
+            data = await response.read()
+            content_type = (
+                b"content-type",
+                response.header(b"content-type") or b"application/json",
+            )
+            if status == 200:
+                try:
+                    answer = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    answer = None
+                call.usage = usage_from(answer)
+                if call.kind == "messages" and isinstance(answer, dict):
+                    data = orjson.dumps(anthropic.chat_to_message(answer, call.client_model))
+                    content_type = _JSON
+                elif call.kind == "responses" and isinstance(answer, dict):
+                    data = orjson.dumps(
+                        responses.chat_to_response(
+                            answer, call.client_model, request=call.client_doc
+                        )
+                    )
+                    content_type = _JSON
+            elif status in (401, 403) and not endpoint.external:
+                # The engine refused the gateway's engine key: not the
+                # client's fault, and not to be shown as theirs.
+                log.error("replica %s refused the engine key", endpoint.label)
+                status = 502
+                data = _error(502, "The replica refused the gateway; retry.", code="upstream_error")
+                content_type = _JSON
+            else:
+                data = _openai_error(status, data)
+                if call.kind == "messages":
+                    data = anthropic.error_body(status, _message_of(data))
+                content_type = _JSON
+            call.status = status
+            call.finished = True
+            await _answer(send, status, data, extra, content_type=content_type)
+            self._finish(call, status, call.usage)
+            if status == 200 and call.cache_key is not None:
+                self._store_answer(call, content_type[1], data, stream=False)
+        except UpstreamError as exc:
+            log.warning("answer from %s broke off: %s", endpoint.label, exc)
+            if not call.finished:
+                call.finished = True
+                self._finish(call, 502, call.usage)
+
+    async def _relay_stream(
+        self,
+        response: UpstreamResponse,
+        send: Send,
+        headers: list[tuple[bytes, bytes]],
+        call: _Call,
+    ) -> None:
+        shape = self._stream_shape(call)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [_SSE, _NO_CACHE, *headers],
+            }
+        )
+        kept: list[bytes] | None = [] if call.cache_key is not None else None
+        kept_bytes = 0
+        limit = self._cache.max_entry_bytes
+        status = 502
+        try:
+            while chunk := await response.receive():
+                out = shape.feed(chunk)
+                if out:
+                    if call.ttft_s is None and shape.content_chunks:
+                        call.ttft_s = time.perf_counter() - call.started
+                    if shape.ended:
+                        # The answer is complete once its end is on its way:
+                        # a client may close right after it got everything.
+                        call.finished = True
+                    if kept is not None:
+                        kept_bytes += len(out)
+                        kept = kept if kept_bytes <= limit else None
+                        if kept is not None:
+                            kept.append(out)
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            ended = shape.ended
+            rest = shape.finish()
+            call.finished = True
+            status = 200
+            await send({"type": "http.response.body", "body": rest, "more_body": False})
+            if kept is not None and ended:
+                kept.append(rest)
+                self._store_answer(call, _SSE[1], b"".join(kept), stream=True)
+        except UpstreamError:
+            # The engine broke off mid-answer. Say so in the stream (the openai
+            # client raises it as an APIError) and end the answer cleanly.
+            if not shape.ended:
+                await send(
+                    {"type": "http.response.body", "body": _broken(call), "more_body": False}
+                )
+            call.finished = True
+            raise
+        except trio.Cancelled:
+            # Cut short: the client left (then this is dropped), or the stop's
+            # grace ran out (then the client is told, not left with a torn stream).
+            if not shape.ended:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    await send(
+                        {"type": "http.response.body", "body": _cut(call), "more_body": False}
+                    )
+            raise
+        finally:
+            # Counted even when the answer was cut short: the client is charged
+            # for what was generated, and for its prompt as estimated when the
+            # engine's own count never came.
+            call.usage = shape.usage
+            if call.usage is None and shape.content_chunks:
+                call.usage = Usage(
+                    prompt_tokens=call.prompt_estimate, completion_tokens=shape.content_chunks
+                )
+            if call.finished:
+                self._finish(call, 200 if shape.ended else status, call.usage)
+
+    def _stream_shape(self, call: _Call) -> _StreamShape:
+        if call.kind == "messages":
+            return _TranslatedStream(
+                anthropic.MessagesStream(
+                    call.client_model,
+                    anthropic.new_message_id(),
+                    input_tokens=call.prompt_estimate,
+                )
+            )
+        if call.kind == "responses":
+            return _TranslatedStream(
+                responses.ResponsesStream(
+                    call.client_model, responses.new_response_id(), request=call.client_doc
+                )
+            )
+        return _OpenAIStream(call.pass_usage)
+
+    # --- the answer cache --------------------------------------------------------------
+
+    def _store_answer(self, call: _Call, content_type: bytes, body: bytes, *, stream: bool) -> None:
+        assert call.cache_key is not None
+        assert call.cache_ttl_s is not None
+        self._cache.put(
+            call.cache_key,
+            CachedAnswer(
+                status=200,
+                content_type=content_type,
+                body=body,
+                stream=stream,
+                stored_at=time.time(),
+            ),
+            call.cache_ttl_s,
+        )
+
+    async def _replay(self, send: Send, call: _Call, hit: CachedAnswer) -> None:
+        """A cached answer, as the client first got it: free, marked as a hit."""
+        call.replica_id = "cache"
+        call.cache_hit = True
+        headers = [
+            (b"x-request-id", call.request_id.encode()),
+            (b"x-llmgw-cache", b"hit"),
+            (b"age", str(hit.age_s(time.time())).encode()),
+            (b"x-llmgw-overhead-ms", b"%.3f" % ((time.perf_counter() - call.started) * 1000)),
+            *call.headers,
+        ]
+        call.finished = True
+        if hit.stream:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", hit.content_type), _NO_CACHE, *headers],
+                }
+            )
+            await send({"type": "http.response.body", "body": hit.body, "more_body": False})
+        else:
+            await _answer(
+                send, 200, hit.body, headers, content_type=(b"content-type", hit.content_type)
+            )
+        self._finish(call, 200, Usage())
+
+    # --- after the answer -------------------------------------------------------------
 
     def _finish(self, call: _Call, status: int, usage: Usage | None) -> None:
         """Metrics, the accountant settled, the usage row queued. Never awaits."""
+        if call.recorded:
+            return
+        call.recorded = True
         duration_s = time.perf_counter() - call.started
         label = call.model if call.model in self._cluster.models else ""
+        served = call.served or label
         metrics.REQUESTS.labels(label, str(status)).inc()
         metrics.REQUEST_DURATION.labels(label).observe(duration_s)
         if call.ttft_s is not None:
@@ -325,7 +967,7 @@ class Gateway:
                     cached=usage.cached_tokens,
                     completion=usage.completion_tokens,
                     now=now,
-                    served_model=label or None,
+                    served_model=served or None,
                 )
             else:
                 self._accountant.release(call.reservation, now)
@@ -336,7 +978,7 @@ class Gateway:
                 created_at=time.time(),
                 key_id=key.id,
                 model=label or call.model[:200],
-                served_model=label,
+                served_model=served if served != label else "",
                 status=status,
                 prompt_tokens=usage.prompt_tokens if usage else 0,
                 cached_tokens=usage.cached_tokens if usage else 0,
@@ -350,6 +992,7 @@ class Gateway:
                 project_id=project_id,
                 team_id=team_id,
                 org_id=org_id,
+                cache_hit=call.cache_hit,
             )
         )
 
@@ -361,18 +1004,33 @@ class _Call:
     """One client request as it goes through the gateway."""
 
     __slots__ = (
+        "cache_hit",
+        "cache_key",
+        "cache_ttl_s",
+        "client_doc",
+        "finished",
         "headers",
         "key",
         "kind",
         "model",
+        "overhead_s",
+        "pass_usage",
+        "path",
+        "profile",
         "prompt_estimate",
+        "recorded",
         "replica_id",
         "request_id",
         "reservation",
         "scope_ids",
+        "served",
+        "session",
         "started",
+        "status",
         "stream",
         "ttft_s",
+        "usage",
+        "waited_s",
     )
 
     def __init__(self, kind: str) -> None:
@@ -381,15 +1039,53 @@ class _Call:
         self.request_id = "req_" + secrets.token_hex(12)
         self.key: KeyRecord | None = None
         self.model = ""
+        #: The model that answered (a fallback's name when one did).
+        self.served = ""
         self.prompt_estimate = 0
         self.stream = False
         self.reservation: Reservation | None = None
+        self.path: Any = None
         self.scope_ids: tuple[str, str, str] = ("", "", "")
         #: Response headers every answer carries (the rate-limit figures).
         self.headers: list[tuple[bytes, bytes]] = []
         self.replica_id = ""
         self.ttft_s: float | None = None
+        self.profile = "chat"
+        self.session: str | None = None
+        #: The Anthropic or Responses request as the client sent it.
+        self.client_doc: dict[str, Any] | None = None
+        #: Seconds spent waiting in the admission queue or for a model to load.
+        self.waited_s = 0.0
+        #: Seconds the gateway itself took before the request went upstream.
+        self.overhead_s = 0.0
+        self.cache_key: bytes | None = None
+        self.cache_ttl_s: float | None = None
+        self.cache_hit = False
+        self.usage: Usage | None = None
+        self.status = 502
+        #: The client asked for the usage chunk of a stream.
+        self.pass_usage = False
+        #: The whole answer is in hand and being sent on.
+        self.finished = False
+        #: The usage row is queued (at most once).
+        self.recorded = False
 
+    @property
+    def client_model(self) -> str:
+        """The model name to report in translated answers: as the client asked."""
+        if self.client_doc is not None and isinstance(self.client_doc.get("model"), str):
+            return str(self.client_doc["model"])
+        return self.model
+
+
+#: The kind whose shape :func:`estimate_prompt_tokens` reads, after translation.
+_ESTIMATE_KIND: Final = {
+    "chat": "chat",
+    "completions": "completions",
+    "embeddings": "embeddings",
+    "messages": "chat",
+    "responses": "chat",
+}
 
 #: Output tokens assumed for a request that gives no max_tokens, when
 #: estimating what it will spend (the model's max_output comes with the catalog).
@@ -398,8 +1094,10 @@ DEFAULT_MAX_OUTPUT_TOKENS: Final = 512
 
 def estimate_tokens(doc: dict[str, Any], kind: str) -> int:
     """The tokens a request may spend: its prompt (:func:`estimate_prompt_tokens`)
-    plus its ``max_tokens``. Charged to the token limiters first, then
-    settled with the real count."""
+    plus its ``max_tokens`` (none for embeddings). Charged to the token
+    limiters first, then settled with the real count."""
+    if kind == "embeddings":
+        return estimate_prompt_tokens(doc, kind)
     output = doc.get("max_completion_tokens") or doc.get("max_tokens") or DEFAULT_MAX_OUTPUT_TOKENS
     return estimate_prompt_tokens(doc, kind) + int(output)
 
@@ -423,10 +1121,78 @@ def estimate_prompt_tokens(doc: dict[str, Any], kind: str, *, bytes_per_token: i
             )
         prompt = -(-size // bytes_per_token) + 4 * len(messages)
     else:
-        given = doc.get("prompt")
+        given = doc.get("prompt") if kind == "completions" else doc.get("input")
         size = len(given.encode()) if isinstance(given, str) else len(orjson.dumps(given))
         prompt = -(-size // bytes_per_token)
     return max(prompt, 1)
+
+
+def _bands(settings: Any) -> list[Band]:
+    return [
+        Band(name=b.name, priority=b.priority, saturation=b.saturation, queue_ttl_s=b.queue_ttl)
+        for b in settings
+    ]
+
+
+def _engine_of(model: ModelRecord) -> str:
+    profile = model.profile
+    return profile.engine if profile is not None else ""
+
+
+def _capacity(endpoints: list[Endpoint], model: ModelRecord) -> int:
+    """The model's slots across its ready replicas (0 = not known: unbounded)."""
+    if not endpoints:
+        return 0
+    profile = model.profile
+    per_replica = profile.slots if profile is not None else 0
+    total = 0
+    for endpoint in endpoints:
+        slots = endpoint.slots or per_replica
+        if not slots:
+            return 0
+        total += slots
+    return total
+
+
+def _retryable(endpoint: Endpoint, status: int) -> bool:
+    """An answer worth another endpoint: the engine failed or is loading, or
+    an outside key is at its limit or refused."""
+    if status >= 500:
+        return True
+    return endpoint.external and status in (401, 403, 429)
+
+
+def _message_of(body: bytes) -> str:
+    try:
+        doc = orjson.loads(body)
+        return str(doc["error"]["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return "The engine failed."
+
+
+def _broken(call: _Call) -> bytes:
+    if call.kind == "messages":
+        return anthropic.error_event(
+            "api_error", "The replica answering broke off mid-answer; retry."
+        )
+    return _BROKEN_STREAM_EVENT
+
+
+def _cut(call: _Call) -> bytes:
+    if call.kind == "messages":
+        return anthropic.error_event(
+            "overloaded_error", "The gateway is stopping; the answer was cut short. Retry."
+        )
+    return _CUT_STREAM_EVENT
+
+
+def _system_stopped() -> ApiError:
+    return ApiError(
+        503,
+        "llmgw is stopped by an administrator; 'llmgw start' resumes serving.",
+        type="server_error",
+        code="system_stopped",
+    )
 
 
 def _store_unavailable() -> ApiError:
@@ -446,136 +1212,6 @@ def _refusal(refused: Refused) -> ApiError:
     return ApiError(
         refused.status, refused.message, type=refused.type, code=refused.code, headers=headers
     )
-
-
-class _Outcome:
-    """What one upstream attempt came to (filled in as it goes)."""
-
-    __slots__ = ("connect_error", "finished", "status", "ttft_s", "usage")
-
-    def __init__(self) -> None:
-        self.status = 502
-        #: The engine's whole answer is in hand and being sent on.
-        self.finished = False
-        self.usage: Usage | None = None
-        self.ttft_s: float | None = None
-        self.connect_error: UpstreamError | None = None
-
-
-async def _attempt(
-    pool: UpstreamPool,
-    path: bytes,
-    body: bytes,
-    headers: list[tuple[bytes, bytes]],
-    send: Send,
-    pass_usage: bool,
-    call: _Call,
-    endpoint: Endpoint,
-    outcome: _Outcome,
-) -> None:
-    try:
-        response = await pool.request(b"POST", path, headers, body)
-    except UpstreamError as exc:
-        log.warning("replica %s did not answer: %s", endpoint.replica_id, exc)
-        outcome.connect_error = exc
-        return
-    async with response:
-        try:
-            outcome.status = response.status
-            content_type = (
-                b"content-type",
-                response.header(b"content-type") or b"application/json",
-            )
-            extra = [
-                (b"x-request-id", call.request_id.encode()),
-                (b"x-llmgw-replica", endpoint.replica_id.encode()),
-                *call.headers,
-            ]
-            if call.stream and response.status == 200:
-                await _relay_stream(
-                    response, send, [content_type, *extra], pass_usage, call, outcome
-                )
-            else:
-                data = await response.read()
-                if response.status == 200:
-                    try:
-                        outcome.usage = usage_from(orjson.loads(data))
-                    except orjson.JSONDecodeError:
-                        outcome.usage = None
-                elif response.status in (401, 403):
-                    # The engine refused the gateway's engine key: not the
-                    # client's fault, and not to be shown as theirs.
-                    log.error("replica %s refused the engine key", endpoint.replica_id)
-                    outcome.status = 502
-                    data = _error(
-                        502, "The replica refused the gateway; retry.", code="upstream_error"
-                    )
-                    content_type = _JSON
-                else:
-                    data = _openai_error(response.status, data)
-                    content_type = _JSON
-                outcome.finished = True
-                await _answer(send, outcome.status, data, extra, content_type=content_type)
-        except UpstreamError as exc:
-            log.warning("answer from replica %s broke off: %s", endpoint.replica_id, exc)
-            outcome.status = 502
-
-
-async def _relay_stream(
-    response: UpstreamResponse,
-    send: Send,
-    headers: list[tuple[bytes, bytes]],
-    pass_usage: bool,
-    call: _Call,
-    outcome: _Outcome,
-) -> None:
-    relay = SseRelay(pass_usage=pass_usage)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [headers[0], _NO_CACHE, *headers[1:]],
-        }
-    )
-    try:
-        while chunk := await response.receive():
-            out = relay.feed(chunk)
-            if out:
-                if outcome.ttft_s is None and relay.content_chunks:
-                    outcome.ttft_s = time.perf_counter() - call.started
-                if relay.saw_done:
-                    # The answer is complete once [DONE] is on its way: a
-                    # client that closes right after it got everything.
-                    outcome.finished = True
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-        outcome.finished = True
-        await send({"type": "http.response.body", "body": relay.flush(), "more_body": False})
-    except UpstreamError:
-        # The engine broke off mid-answer. Say so in the stream (the openai
-        # client raises it as an APIError) and end the answer cleanly.
-        if not relay.saw_done:
-            await send(
-                {"type": "http.response.body", "body": _BROKEN_STREAM_EVENT, "more_body": False}
-            )
-        raise
-    except trio.Cancelled:
-        # Cut short: the client left (then this is dropped), or the stop's
-        # grace ran out (then the client is told, not left with a torn stream).
-        if not relay.saw_done:
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await send(
-                    {"type": "http.response.body", "body": _CUT_STREAM_EVENT, "more_body": False}
-                )
-        raise
-    finally:
-        # Counted even when the answer was cut short: the client is charged
-        # for what was generated, and for its prompt as estimated when the
-        # engine's own count never came.
-        outcome.usage = relay.usage
-        if outcome.usage is None and relay.content_chunks:
-            outcome.usage = Usage(
-                prompt_tokens=call.prompt_estimate, completion_tokens=relay.content_chunks
-            )
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
@@ -628,6 +1264,8 @@ def _parse(body: bytes, kind: str) -> dict[str, Any]:
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string.", param="model")
+    if kind in ("messages", "responses"):
+        return doc  # checked by their translators
     if kind == "chat":
         messages = doc.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -639,12 +1277,20 @@ def _parse(body: bytes, kind: str) -> dict[str, Any]:
                 raise bad_request(
                     f"messages[{i}] must be an object with a 'role'.", param=f"messages[{i}]"
                 )
-    else:
+    elif kind == "completions":
         prompt = doc.get("prompt")
         if not isinstance(prompt, str | list) or not prompt:
             raise bad_request(
                 "'prompt' is required and must be a string or an array.", param="prompt"
             )
+    else:
+        given = doc.get("input")
+        if not isinstance(given, str | list) or not given:
+            raise bad_request(
+                "'input' is required and must be a string or a non-empty array.", param="input"
+            )
+        if doc.get("stream"):
+            raise bad_request("Embeddings are not streamed.", param="stream")
     if doc.get("stream") is None:
         doc.pop("stream", None)  # null means the default: not streamed
     elif not isinstance(doc["stream"], bool):
@@ -653,10 +1299,8 @@ def _parse(body: bytes, kind: str) -> dict[str, Any]:
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", param="stream_options")
     n = doc.get("n")
-    if n is not None and n != 1:
-        # Engines here answer one choice whatever n says, and the usage would
-        # not match the answer: refused clearly until n is carried through.
-        raise bad_request("'n' other than 1 is not supported yet.", param="n")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128):
+        raise bad_request("'n' must be a whole number from 1 to 128.", param="n")
     for field in ("max_tokens", "max_completion_tokens"):
         value = doc.get(field)
         if value is not None and (
