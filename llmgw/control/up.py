@@ -9,13 +9,18 @@ so as it goes:
    ``DATA_DIR/admin-key`` (mode 0600);
 3. checks the model: the starter GGUF assembled into ``DATA_DIR/weights``
    and checked against its published sha256, or the ``--model`` file;
-4. starts the control plane, then the agent, which registers; the
-   reconciler places the model and the agent starts its engine;
+4. starts the control plane and writes the agent token to
+   ``DATA_DIR/agent-token`` (mode 0600), then the agent (state in
+   ``DATA_DIR/agent``), which registers; the reconciler places the model and
+   the agent starts its engine. With ``--no-agent`` (``UpOptions.agent``
+   false) no agent runs here: a separate ``llmgw agent --server
+   ws://<agent hub>/agent --token-file DATA_DIR/agent-token`` joins instead;
 5. says "ready in N s" once the model answers (``GET /ready`` is 200).
 
 SIGINT or SIGTERM: stop taking requests, let those in flight finish (grace
-10 s), stop the engines, flush the usage rows, exit. A second signal, 2 s
-or more after the first, stops at once (one Ctrl-C often arrives twice: the
+10 s), stop the engines of the agent run here (a separate agent's engines
+keep running), flush the usage rows, exit. A second signal, 2 s or more
+after the first, stops at once (one Ctrl-C often arrives twice: the
 terminal signals the process group and ``uv run`` forwards it).
 """
 
@@ -53,6 +58,10 @@ __all__ = ["UpError", "UpOptions", "run_up"]
 log = logging.getLogger("llmgw.up")
 
 ADMIN_KEY_FILE: Final = "admin-key"
+#: Where the agent token is kept for agents run apart (``llmgw agent --token-file``).
+AGENT_TOKEN_FILE: Final = "agent-token"
+#: The in-process agent's state directory, under the data directory.
+AGENT_STATE_DIR: Final = "agent"
 RUN_FILE: Final = "run.json"
 #: After the listeners close, how long the engines get before being stopped.
 ENGINE_STOP_WAIT_S: Final = 15.0
@@ -77,6 +86,8 @@ class UpOptions:
     context_tokens: int = 4096
     slots: int = 4
     grace_s: float = 10.0
+    #: Run an agent in this process (``--no-agent`` turns it off).
+    agent: bool = True
 
 
 Say = Callable[[str], None]
@@ -151,20 +162,29 @@ async def _run_locked(
                 await _set_catalog(store, models, say)
                 cluster.poke()
                 _write_run_file(data_dir, addresses)
+                token_path = _write_agent_token(data_dir, addresses.agent_token)
                 say(
                     f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
                     f"metrics http://{addresses.metrics}/metrics"
                 )
                 async with trio.open_nursery() as agent:
-                    await agent.start(
-                        serve_agent,
-                        AgentConfig(
-                            server_url=f"ws://{addresses.agent_hub}/agent",
-                            token=addresses.agent_token,
-                            llamacpp_bin=options.llamacpp_bin,
-                            owns_engines=True,
-                        ),
-                    )
+                    if options.agent:
+                        await agent.start(
+                            serve_agent,
+                            AgentConfig(
+                                server_url=f"ws://{addresses.agent_hub}/agent",
+                                token=addresses.agent_token,
+                                llamacpp_bin=options.llamacpp_bin,
+                                owns_engines=True,
+                                state_dir=data_dir / AGENT_STATE_DIR,
+                            ),
+                        )
+                    else:
+                        say(
+                            "no agent in this process (--no-agent); start one with:\n"
+                            f"  llmgw agent --server ws://{addresses.agent_hub}/agent "
+                            f"--token-file {shlex.quote(str(token_path))}"
+                        )
                     agent.start_soon(
                         _report_progress,
                         cluster,
@@ -177,7 +197,8 @@ async def _run_locked(
                     await stop.wait()
                     with trio.move_on_after(options.grace_s + 5):
                         await cp_done.wait()
-                    say("stopping the engines")
+                    if options.agent:
+                        say("stopping the engines")
                     agent.cancel_scope.cancel()
             _remove_run_file(data_dir)
         say("stopped")
@@ -322,6 +343,17 @@ async def _ensure_admin_key(store: Store, data_dir: Path, say: Say) -> str:
     os.chmod(path, 0o600)
     say(f"admin key (shown once, kept in {path}): {secret}")
     return secret
+
+
+def _write_agent_token(data_dir: Path, token: str) -> Path:
+    """Write the agent token to ``DATA_DIR/agent-token``, mode 0600, for
+    agents run apart (``llmgw agent --token-file``); the path written."""
+    path = data_dir / AGENT_TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left with a wider mode is narrowed before the write
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return path
 
 
 def _write_run_file(data_dir: Path, addresses: Addresses) -> None:

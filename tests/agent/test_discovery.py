@@ -58,8 +58,8 @@ def test_no_nvml_means_no_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_gpus_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Cards are read from NVML (bytes or str names), missing fields stay
-    empty, and NVML is always shut down."""
+    """Cards are read from NVML (bytes or str names, memory in use), missing
+    fields stay empty, and NVML is always shut down."""
     calls: list[str] = []
 
     def capability(handle: int) -> tuple[int, int]:
@@ -74,7 +74,9 @@ def test_gpus_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
         "nvmlDeviceGetCount": lambda: 2,
         "nvmlDeviceGetHandleByIndex": lambda index: index,
         "nvmlDeviceGetName": lambda handle: b"NVIDIA L4" if handle == 0 else "Tesla T4",
-        "nvmlDeviceGetMemoryInfo": lambda handle: types.SimpleNamespace(total=(handle + 1) << 34),
+        "nvmlDeviceGetMemoryInfo": lambda handle: types.SimpleNamespace(
+            total=(handle + 1) << 34, used=(handle + 1) << 30
+        ),
         "nvmlDeviceGetUUID": lambda handle: f"GPU-{handle}",
         "nvmlDeviceGetCudaComputeCapability": capability,
     }
@@ -84,9 +86,21 @@ def test_gpus_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     assert driver == "550.54.15"
     assert gpus == (
         Gpu(
-            index=0, name="NVIDIA L4", memory_total_mb=16384, uuid="GPU-0", compute_capability="8.9"
+            index=0,
+            name="NVIDIA L4",
+            memory_total_mb=16384,
+            memory_used_mb=1024,
+            uuid="GPU-0",
+            compute_capability="8.9",
         ),
-        Gpu(index=1, name="Tesla T4", memory_total_mb=32768, uuid="GPU-1", compute_capability=""),
+        Gpu(
+            index=1,
+            name="Tesla T4",
+            memory_total_mb=32768,
+            memory_used_mb=2048,
+            uuid="GPU-1",
+            compute_capability="",
+        ),
     )
     assert calls == ["init", "shutdown"]
 

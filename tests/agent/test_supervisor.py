@@ -36,6 +36,8 @@ p.add_argument("--exit-code", type=int, default=1)
 p.add_argument("--stray", action="store_true")
 p.add_argument("--ignore-term", action="store_true")
 p.add_argument("--quiet-health", action="store_true")
+p.add_argument("--say", action="append", default=[])
+p.add_argument("--chatter", action="store_true")
 args = p.parse_args()
 key = os.environ.get("LLAMA_API_KEY", "")
 started = time.monotonic()
@@ -81,6 +83,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
 server = http.server.ThreadingHTTPServer((args.host, args.port), Handler)
 for i in range(args.lines):
     say(f"line {i}")
+for text in args.say:
+    say(text)
+if args.chatter:
+    def chatter():
+        step = 0
+        while time.monotonic() - started < args.loading_seconds:
+            say(f"loading step {step}")
+            step += 1
+            time.sleep(0.05)
+    threading.Thread(target=chatter, daemon=True).start()
 say(f"listening on {args.host}:{args.port}")
 if args.exit_after >= 0:
     def die():
@@ -206,6 +218,7 @@ async def open_supervisor(script: Path, **kwargs: Any) -> AsyncIterator[tuple[Su
 
     send, receive = trio.open_memory_channel[ShardStatus](100)
     kwargs.setdefault("probe_interval_s", 0.05)
+    kwargs.setdefault("state_dir", script.parent / "state")
     supervisor = Supervisor(adapter_for=adapter_for, events=send, **kwargs)
     async with send, receive, trio.open_nursery() as nursery:
         await nursery.start(supervisor.serve)
@@ -432,6 +445,7 @@ async def test_serve_cancelled(script: Path, owns_engines: bool) -> None:
         sup = Supervisor(
             adapter_for=lambda name: StandIn(script),
             events=send,
+            state_dir=script.parent / "state",
             probe_interval_s=0.05,
             owns_engines=owns_engines,
         )
@@ -474,4 +488,150 @@ def test_bad_max_log_lines() -> None:
     """A ring buffer needs room for a line."""
     send, _ = trio.open_memory_channel[ShardStatus](1)
     with pytest.raises(ValueError, match="max_log_lines"):
-        Supervisor(adapter_for=lambda name: StandIn(Path("x")), events=send, max_log_lines=0)
+        Supervisor(
+            adapter_for=lambda name: StandIn(Path("x")),
+            events=send,
+            state_dir=Path("unused"),
+            max_log_lines=0,
+        )
+
+
+async def test_output_goes_to_a_log_file_in_the_state_dir(script: Path) -> None:
+    """The engine writes to a log file in the state directory (not a pipe the
+    agent holds); the shard file names its process, without the key."""
+    with trio.fail_after(DEADLINE_S):
+        async with open_supervisor(script) as (sup, events):
+            await sup.start_shard(start_msg("--say", "hello from the engine"))
+            await expect(events, ShardState.STARTING, ShardState.READY)
+            pid = pid_of(sup)
+            log_file = sup.state_dir / "logs" / "s1.log"
+            assert os.readlink(f"/proc/{pid}/fd/1") == str(log_file)
+            assert os.readlink(f"/proc/{pid}/fd/2") == str(log_file)
+            assert "hello from the engine" in log_file.read_text()
+            assert "hello from the engine" in sup.logs("s1", 500)
+            record = (sup.state_dir / "shards" / "s1.json").read_text()
+            assert f'"pid": {pid}' in record
+            assert KEY not in record
+            await sup.stop_shard("s1")
+            await expect(events, ShardState.STOPPED)
+            assert not (sup.state_dir / "shards" / "s1.json").exists()
+            assert not log_file.exists()
+
+
+async def test_progress_while_starting(script: Path) -> None:
+    """While an engine loads and prints, STARTING goes out again with its
+    last line as progress, no more often than the progress interval."""
+    with trio.fail_after(DEADLINE_S):
+        async with open_supervisor(script, progress_interval_s=0.3) as (sup, events):
+            await sup.start_shard(start_msg("--loading-seconds", "1.5", "--chatter"))
+            (first,) = await expect(events, ShardState.STARTING)
+            assert first.progress == ""
+            progress: list[ShardStatus] = []
+            while (status := await events.receive()).state is ShardState.STARTING:
+                progress.append(status)
+            assert status.state is ShardState.READY
+            assert 2 <= len(progress) <= 6, progress
+            assert all(p.progress.startswith(("loading step", "health")) for p in progress)
+
+
+async def test_compute_report_when_ready(script: Path) -> None:
+    """READY carries the compute the engine's start-up log shows; without
+    any, a shard given no cards runs on "CPU"; RunningShard has it too."""
+    with trio.fail_after(DEADLINE_S):
+        async with open_supervisor(script) as (sup, events):
+            await sup.start_shard(
+                start_msg(
+                    "--say",
+                    "0.00.1 I llama_model_load_from_file_impl: using device CUDA0 "
+                    "(NVIDIA L4) (0000:3b:00.0) - 22000 MiB free",
+                    "--say",
+                    "load_tensors: offloaded 19/19 layers to GPU",
+                )
+            )
+            _, ready = await expect(events, ShardState.STARTING, ShardState.READY)
+            assert ready.compute == "CUDA0 (NVIDIA L4): 19/19 layers"
+            assert sup.running()[0].compute == ready.compute
+            await sup.start_shard(start_msg(shard_id="s2"))
+            _, ready = await expect(events, ShardState.STARTING, ShardState.READY)
+            assert ready.compute == "CPU"
+
+
+async def test_weights_checked_before_start(script: Path, tmp_path: Path) -> None:
+    """With model_sha256, the weights file is hashed first (STARTING with
+    progress), then the engine starts; a mismatch or a missing file fails
+    the shard without starting anything."""
+    import hashlib
+
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"weights" * 1000)
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+
+    def with_weights(msg: StartShard, path: Path, sha: str) -> StartShard:
+        profile = attrs.evolve(msg.profile, model_path=str(path), model_sha256=sha)
+        return attrs.evolve(msg, profile=profile)
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_supervisor(script) as (sup, events):
+            await sup.start_shard(with_weights(start_msg(), weights, digest.upper()))
+            checking, _, _ = await expect(
+                events, ShardState.STARTING, ShardState.STARTING, ShardState.READY
+            )
+            assert checking.progress == "checking weights model.gguf"
+            await sup.start_shard(with_weights(start_msg(shard_id="s2"), weights, "ab" * 32))
+            (failed,) = await expect(events, ShardState.FAILED)
+            assert "does not match the expected" in failed.reason
+            assert sup.state("s2") is ShardState.FAILED
+            missing = tmp_path / "nope.gguf"
+            await sup.start_shard(with_weights(start_msg(shard_id="s3"), missing, digest))
+            (failed,) = await expect(events, ShardState.FAILED)
+            assert str(missing) in failed.reason
+            assert [shard.shard_id for shard in sup.running()] == ["s1"]
+            assert weights.exists()  # a local file is never deleted here
+
+
+async def test_second_supervisor_on_a_busy_state_dir(script: Path) -> None:
+    """Two agents never share a state directory."""
+    from llmgw.agent.state import StateDirBusy
+
+    with trio.fail_after(DEADLINE_S):
+        async with open_supervisor(script):
+            send, _ = trio.open_memory_channel[ShardStatus](1)
+            other = Supervisor(
+                adapter_for=lambda name: StandIn(script),
+                events=send,
+                state_dir=script.parent / "state",
+            )
+            with pytest.raises(StateDirBusy):
+                await other.serve()
+
+
+async def test_a_weights_check_gives_way_to_a_stop_or_a_cancel(
+    script: Path, tmp_path: Path
+) -> None:
+    """A stop during the weights check abandons it (STOPPED, nothing
+    started); a start cancelled during the check leaves nothing behind, so
+    the next StartShard starts afresh."""
+    weights = tmp_path / "big.gguf"
+    with weights.open("wb") as f:
+        f.truncate(8 * 1024**3)  # sparse: hashing it takes seconds
+
+    msg = start_msg()
+    profile = attrs.evolve(msg.profile, model_path=str(weights), model_sha256="00" * 32)
+    msg = attrs.evolve(msg, profile=profile)
+    with trio.fail_after(DEADLINE_S):
+        async with open_supervisor(script) as (sup, events):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sup.start_shard, msg)
+                (checking,) = await expect(events, ShardState.STARTING)
+                assert checking.progress.startswith("checking weights")
+                await sup.stop_shard("s1")
+                await expect(events, ShardState.STOPPED)
+            assert sup.running() == []
+
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(sup.start_shard, attrs.evolve(msg, shard_id="s2"))
+                    await expect(events, ShardState.STARTING)
+                    scope.cancel()
+            assert sup.state("s2") is None
+            assert sup.running() == []

@@ -140,7 +140,7 @@ def _text(value: str | bytes) -> str:
 
 
 def discover_gpus() -> tuple[tuple[Gpu, ...], str]:
-    """The NVIDIA cards NVML sees and the driver version.
+    """The NVIDIA cards NVML sees (with the memory in use now) and the driver version.
 
     Returns ``((), "")`` when NVML cannot start (no driver or library). A
     field a card or driver cannot report is left empty. Blocks on NVML: call
@@ -168,12 +168,13 @@ def discover_gpus() -> tuple[tuple[Gpu, ...], str]:
                 uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
             except pynvml.NVMLError:
                 uuid = ""
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             gpus.append(
                 Gpu(
                     index=index,
                     name=_text(pynvml.nvmlDeviceGetName(handle)),
-                    memory_total_mb=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-                    // (1024 * 1024),
+                    memory_total_mb=int(memory.total) // (1024 * 1024),
+                    memory_used_mb=int(memory.used) // (1024 * 1024),
                     uuid=uuid,
                     compute_capability=capability,
                 )

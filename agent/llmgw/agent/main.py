@@ -1,15 +1,29 @@
-"""The agent process: discovery, the supervisor and the link, in one nursery.
+"""The agent process: discovery, the supervisor, telemetry and the link, in one nursery.
 
-``serve_agent`` is what ``llmgw agent`` and ``llmgw up`` run. In ``llmgw up``
-the agent owns its engines (``owns_engines=True``): they stop with it. A
-standalone agent leaves them running for the next agent to adopt.
+``serve_agent`` is what ``llmgw agent`` (through :func:`run_agent`) and
+``llmgw up`` run. In ``llmgw up`` the agent owns its engines
+(``owns_engines=True``): they stop with it. A standalone agent leaves them
+running; the next agent process on the same state directory adopts them
+(``shared/spec/agent.md``; ``reconciler-and-lifecycle.md``, Adoption).
+
+Telemetry (agent.md, Discovery and Heartbeat): memory bandwidth is measured
+in a worker thread only after the agent reached its control plane, first
+after a random pause (10-120 s by default, so machines that boot together
+do not measure together), then hourly, keeping the best figure; it goes in
+every ``Heartbeat`` and the next ``Register``. GPU readings are taken at
+most every :data:`GPU_READ_INTERVAL_S` and dropped when older than
+:data:`GPU_READING_MAX_AGE_S`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Final, NoReturn
+import random
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final, NoReturn
 
 import attrs
 import trio
@@ -19,15 +33,22 @@ from llmgw.engines.registry import get_adapter
 
 from . import discovery, protocol
 from .link import AgentHandlers, serve_link
+from .state import default_state_dir
 from .supervisor import Supervisor
 
-__all__ = ["AGENT_VERSION", "AgentConfig", "serve_agent"]
+__all__ = ["AGENT_VERSION", "AgentConfig", "run_agent", "serve_agent"]
 
 log = logging.getLogger("llmgw.agent")
 
 AGENT_VERSION: Final = "0.1.0"
 #: Shard status changes waiting for the link.
 STATUS_QUEUE_SIZE: Final = 256
+#: The least time between two GPU readings, in seconds (agent.md: 10 s).
+GPU_READ_INTERVAL_S: Final = 10.0
+#: How long one GPU reading may take, in seconds (agent.md: 5 s).
+GPU_READ_TIMEOUT_S: Final = 5.0
+#: GPU readings older than this are not sent, in seconds (agent.md: a minute).
+GPU_READING_MAX_AGE_S: Final = 60.0
 
 
 @attrs.frozen(kw_only=True)
@@ -38,6 +59,13 @@ class AgentConfig:
     node_id: this node's name; the host name when empty.
     llamacpp_bin: a ``llama-server`` binary; the bundled launcher when None.
     owns_engines: stop the engines when the agent stops (``llmgw up``).
+    state_dir: shard files and engine logs, for adoption
+        (:mod:`llmgw.agent.state`); None = ``~/.local/state/llmgw/agent/<node>``
+        (``$XDG_STATE_HOME`` if set).
+    measure_bandwidth: measure memory bandwidth in the background.
+    bandwidth_first_delay_s: the first measurement comes after a random
+        pause in this range (seconds) once registered.
+    bandwidth_interval_s: seconds between later measurements.
     """
 
     server_url: str
@@ -45,6 +73,22 @@ class AgentConfig:
     node_id: str = ""
     llamacpp_bin: str | None = None
     owns_engines: bool = False
+    state_dir: Path | None = None
+    measure_bandwidth: bool = True
+    bandwidth_first_delay_s: tuple[float, float] = (10.0, 120.0)
+    bandwidth_interval_s: float = 3600.0
+
+
+@attrs.define
+class _Telemetry:
+    """What the agent measured, for heartbeats and registrations."""
+
+    memory_bandwidth_gbps: float = 0.0
+    core_bandwidth_gbps: float = 0.0
+    gpus: tuple[protocol.Gpu, ...] = ()
+    gpus_read_at: float = -1e9
+    #: Set once a control plane accepted this agent (any session).
+    registered: trio.Event = attrs.field(factory=trio.Event)
 
 
 async def serve_agent(
@@ -52,15 +96,24 @@ async def serve_agent(
 ) -> NoReturn:
     """Run the agent until cancelled.
 
+    Engines found running in the state directory are adopted before the
+    first ``Register``, which lists them in ``running_shards``.
+
     Returns:
         Never returns unless cancelled; ``task_status.started`` gets the
         :class:`Supervisor` once it can take commands.
+
+    Raises:
+        StateDirBusy: another agent uses the state directory.
+        OSError: the state directory cannot be created.
     """
     node_id = config.node_id or discovery.node_id()
     hardware = await discovery.discover_hardware_async()
     host = config.server_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
     address = discovery.route_address(host.strip("[]"))
     send, receive = trio.open_memory_channel[protocol.ShardStatus](STATUS_QUEUE_SIZE)
+    telemetry = _Telemetry(gpus=hardware.gpus, gpus_read_at=trio.current_time())
+    state_dir = config.state_dir or default_state_dir(node_id)
 
     def adapter_for(engine: str) -> EngineAdapter:
         return get_adapter(engine, llamacpp_bin=config.llamacpp_bin)
@@ -68,12 +121,19 @@ async def serve_agent(
     supervisor = Supervisor(
         adapter_for=adapter_for,
         events=send,
+        state_dir=state_dir,
         owns_engines=config.owns_engines,
     )
 
     async def register() -> protocol.Register:
         total_mb, available_mb = discovery.memory_mb()
-        hw = attrs.evolve(hardware, memory_total_mb=total_mb, memory_available_mb=available_mb)
+        hw = attrs.evolve(
+            hardware,
+            memory_total_mb=total_mb,
+            memory_available_mb=available_mb,
+            memory_bandwidth_gbps=telemetry.memory_bandwidth_gbps,
+            core_bandwidth_gbps=telemetry.core_bandwidth_gbps,
+        )
         return protocol.Register(
             node_id=node_id,
             address=address,
@@ -91,6 +151,9 @@ async def serve_agent(
             memory_available_mb=available_mb,
             cpu_count=hardware.cpu_count,
             load_1m=os.getloadavg()[0],
+            gpus=await _gpu_readings(telemetry, bool(hardware.gpus)),
+            memory_bandwidth_gbps=telemetry.memory_bandwidth_gbps,
+            core_bandwidth_gbps=telemetry.core_bandwidth_gbps,
         )
 
     def logs(source: str, lines: int) -> list[str]:
@@ -101,6 +164,9 @@ async def serve_agent(
             return supervisor.logs(source, lines)
         return list(_AGENT_LOG.lines)[-lines:]
 
+    def on_registered(_: protocol.Registered) -> None:
+        telemetry.registered.set()
+
     handlers = AgentHandlers(
         register=register,
         heartbeat=heartbeat,
@@ -108,13 +174,94 @@ async def serve_agent(
         stop_shard=supervisor.stop_shard,
         logs=logs,
         status_events=receive,
+        on_registered=on_registered,
     )
+    log.info("agent %s: state in %s", node_id, state_dir)
     async with trio.open_nursery() as nursery:
         await nursery.start(supervisor.serve)
         await nursery.start(serve_link, config.server_url, config.token, handlers)
+        if config.measure_bandwidth:
+            nursery.start_soon(_serve_bandwidth, config, telemetry)
         task_status.started(supervisor)
         await trio.sleep_forever()
     raise AssertionError("unreachable")
+
+
+async def run_agent(config: AgentConfig) -> None:
+    """Run :func:`serve_agent` until SIGINT or SIGTERM (``llmgw agent``).
+
+    Engines keep running after it returns unless ``config.owns_engines``.
+
+    Raises:
+        StateDirBusy: another agent uses the state directory.
+        OSError: the state directory cannot be created.
+    """
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_agent, config)
+            async for signum in signals:
+                log.info(
+                    "%s: agent stopping; engines %s",
+                    signal.Signals(signum).name,
+                    "stop too" if config.owns_engines else "keep running",
+                )
+                break
+            nursery.cancel_scope.cancel()
+
+
+async def _gpu_readings(telemetry: _Telemetry, has_gpus: bool) -> tuple[protocol.Gpu, ...]:
+    """The cards as now: re-read at most every :data:`GPU_READ_INTERVAL_S`
+    (in a thread, :data:`GPU_READ_TIMEOUT_S` at most); a reading older than
+    :data:`GPU_READING_MAX_AGE_S` is dropped, not re-sent. No cards at
+    start (no driver) means none, without asking NVML again."""
+    if not has_gpus:
+        return ()
+    now = trio.current_time()
+    if now - telemetry.gpus_read_at >= GPU_READ_INTERVAL_S:
+        with trio.move_on_after(GPU_READ_TIMEOUT_S):
+            gpus, _ = await trio.to_thread.run_sync(discovery.discover_gpus, abandon_on_cancel=True)
+            if gpus:
+                telemetry.gpus = gpus
+                telemetry.gpus_read_at = trio.current_time()
+    if trio.current_time() - telemetry.gpus_read_at > GPU_READING_MAX_AGE_S:
+        return ()
+    return telemetry.gpus
+
+
+def _bandwidth_measurer() -> tuple[Callable[[], Any], type[Exception]] | None:
+    """``(measure_bandwidth, BandwidthError)``, or None when
+    :mod:`llmgw.agent.bandwidth` is not there."""
+    try:
+        from . import bandwidth
+    except ImportError as exc:
+        log.info("memory bandwidth not measured: %s", exc)
+        return None
+    return bandwidth.measure_bandwidth, bandwidth.BandwidthError
+
+
+async def _serve_bandwidth(config: AgentConfig, telemetry: _Telemetry) -> None:
+    """Measure memory bandwidth once registered, after a random pause, then
+    every ``bandwidth_interval_s``, keeping the best figures."""
+    found = _bandwidth_measurer()
+    if found is None:
+        return
+    measure, error = found
+    await telemetry.registered.wait()
+    low, high = config.bandwidth_first_delay_s
+    await trio.sleep(random.uniform(low, high))
+    while True:
+        try:
+            result = await trio.to_thread.run_sync(measure, abandon_on_cancel=True)
+        except (error, MemoryError, OSError) as exc:
+            log.info("memory bandwidth not measured: %s; trying again later", exc)
+        else:
+            machine = float(result.machine_gbps)
+            core = float(result.core_gbps)
+            log.info("memory bandwidth: read_gbs=%.1f one_core_gbs=%.1f", machine, core)
+            if machine > telemetry.memory_bandwidth_gbps:
+                telemetry.memory_bandwidth_gbps = machine
+                telemetry.core_bandwidth_gbps = core
+        await trio.sleep(config.bandwidth_interval_s)
 
 
 class _RingHandler(logging.Handler):
