@@ -10,8 +10,15 @@ Routes (all JSON):
 - ``GET /api/v1/keys`` → every key (never a secret);
 - ``POST /api/v1/keys/<id>/revoke``;
 - ``GET /api/v1/usage?last=N&key_id=…`` → usage rows, newest first;
-- ``GET /api/v1/status`` → nodes and replicas;
-- ``GET /api/v1/logs?node=…&source=…&lines=N`` → a node's or shard's last lines.
+- ``GET /api/v1/status`` → leader, nodes, replicas, model names, and
+  ``serving`` (``{"stopped"}``), ``settings_version`` and
+  ``model_replicas`` (per model ``{"name", "wanted", "ready", "starting",
+  "failed", "stopped", "external"}``);
+- ``GET /api/v1/logs?node=…&source=…&lines=N`` → a node's or shard's
+  (``source`` = a shard id) last lines.
+
+Settings, whole-system stop/start, models, nodes and replicas: see
+:mod:`llmgw.admin.control_api`.
 """
 
 from __future__ import annotations
@@ -21,20 +28,23 @@ import io
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, Final
 
 import attrs
 import orjson
 import trio
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 
 from llmgw.agent import protocol
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.control.cluster import Cluster
+from llmgw.control.live import LiveSettings
 from llmgw.gateway.errors import error_body
 from llmgw.store import Store, UsageRow
 
+from .control_api import add_control_routes, replica_counts
 from .keys import KeysService, parse_since
 
 __all__ = ["make_admin_app"]
@@ -53,10 +63,26 @@ def _error(status: int, message: str, code: str | None = None) -> Response:
 
 
 def make_admin_app(
-    store: Store, cluster: Cluster, authenticator: KeyAuthenticator, keys_service: KeysService
+    store: Store,
+    cluster: Cluster,
+    authenticator: KeyAuthenticator,
+    keys_service: KeysService,
+    *,
+    live: LiveSettings | None = None,
+    data_dir: Path | None = None,
 ) -> QuartTrio:
-    """The admin API application over ``store`` and ``cluster``."""
+    """The admin API application over ``store`` and ``cluster``.
+
+    Args:
+        live: the live settings state the control plane's settings loop
+            keeps (:func:`llmgw.control.live.serve_settings`); a fresh one
+            over ``store`` when ``None`` (tests).
+        data_dir: where weights live, for ``DELETE /api/v1/models/<name>?purge=1``.
+    """
     app = QuartTrio("llmgw.admin")
+    if live is None:
+        live = LiveSettings(store, cluster)
+    add_control_routes(app, store, cluster, live, data_dir=data_dir)
 
     @app.errorhandler(404)
     async def not_found(_: Exception) -> Response:
@@ -83,6 +109,7 @@ def make_admin_app(
             return _error(401, "Incorrect API key provided.", "invalid_api_key")
         if not key.is_admin:
             return _error(403, "This key is not an admin key.", "forbidden")
+        g.admin_actor = f"{key.name} ({key.id})"
         return None
 
     @app.post("/api/v1/keys")
@@ -264,6 +291,17 @@ def make_admin_app(
                 for s in cluster.shards.values()
             ],
             "models": sorted(cluster.models),
+            "model_replicas": [
+                {
+                    "name": m.name,
+                    **replica_counts(m, cluster),
+                    "stopped": m.stopped,
+                    "external": m.is_external,
+                }
+                for m in sorted(cluster.models.values(), key=lambda m: m.name)
+            ],
+            "serving": {"stopped": cluster.settings.serving.stopped},
+            "settings_version": live.version,
         }
 
     @app.get("/api/v1/logs")

@@ -1,8 +1,8 @@
 """The ``llmgw`` command.
 
 ``llmgw up`` runs everything on one machine; ``llmgw keys …`` and
-``llmgw ctl …`` are clients of the admin API (address and admin key found in
-the data directory); ``llmgw engine sim|llamacpp`` are the engine launchers
+``llmgw ctl …`` (with ``llmgw stop|start|status``, in ``ctl.py``) are
+clients of the admin API (address and admin key found in the data directory); ``llmgw engine sim|llamacpp`` are the engine launchers
 the agent starts. Every client command takes ``--json``.
 """
 
@@ -128,6 +128,12 @@ def cli(verbose: bool) -> None:
     help="Context tokens (--ctx-size).",
 )
 @click.option("--slots", default=4, show_default=True, help="Parallel sequences per replica.")
+@click.option(
+    "--no-agent",
+    is_flag=True,
+    help="Run the control plane only; an 'llmgw agent' run apart serves the engines "
+    "(its token is in DATA_DIR/agent-token).",
+)
 def up(
     data_dir: Path,
     listen: str,
@@ -143,6 +149,7 @@ def up(
     llamacpp_bin: str | None,
     context_tokens: int,
     slots: int,
+    no_agent: bool,
 ) -> None:
     """Run the control plane, an agent and a model on this machine."""
     import trio
@@ -174,6 +181,7 @@ def up(
         llamacpp_bin=llamacpp_bin,
         context_tokens=context_tokens,
         slots=slots,
+        agent=not no_agent,
     )
     try:
         trio.run(run_up, options)
@@ -192,6 +200,59 @@ def _leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     while isinstance(leaf, BaseExceptionGroup):
         leaf = leaf.exceptions[0]
     return leaf
+
+
+# --- agent --------------------------------------------------------------------
+
+
+@cli.command("agent")
+@click.option(
+    "--server", required=True, help="The control plane's agent hub, ws://HOST:7443/agent."
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="A file holding the agent token (llmgw up writes DATA_DIR/agent-token).",
+)
+@click.option("--node-id", default="", help="This node's name (default: the host name).")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Shard files and engine logs, for adopting engines after a restart "
+    "(default: ~/.local/state/llmgw/agent/NODE).",
+)
+@click.option("--llama-server", "llamacpp_bin", default=None, help="A llama-server binary to use.")
+def agent(
+    server: str, token_file: Path, node_id: str, state_dir: Path | None, llamacpp_bin: str | None
+) -> None:
+    """Run a node agent until SIGINT or SIGTERM; its engines keep running and
+    the next agent on the same state directory adopts them."""
+    import trio
+
+    from llmgw.agent.main import AgentConfig, run_agent
+    from llmgw.agent.state import StateDirBusy
+
+    if not server.startswith(("ws://", "wss://")):
+        raise click.BadParameter(f"{server!r} is not ws://HOST:PORT/agent", param_hint="--server")
+    try:
+        token = token_file.read_text().strip()
+    except OSError as exc:
+        raise click.ClickException(f"cannot read the agent token: {exc}") from None
+    if not token:
+        raise click.ClickException(f"{token_file} is empty: it must hold the agent token")
+    config = AgentConfig(
+        server_url=server,
+        token=token,
+        node_id=node_id,
+        state_dir=state_dir,
+        llamacpp_bin=llamacpp_bin,
+    )
+    try:
+        trio.run(run_agent, config)
+    except* (StateDirBusy, OSError) as group:
+        raise click.ClickException(str(_leaf(group))) from None
 
 
 # --- admin API clients -----------------------------------------------------------
@@ -255,14 +316,24 @@ class AdminClient:
         )
 
 
-def _refused(response: httpx.Response) -> click.ClickException:
+class AdminError(click.ClickException):
+    """The admin API refused a call: ``status`` and its ``error.message`` as
+    ``detail`` (printed as ``STATUS: detail``)."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+def _refused(response: httpx.Response) -> AdminError:
     """The admin API's error answer as a one-line CLI error (its OpenAI-shaped
     ``error.message``, else the body)."""
     try:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text
-    return click.ClickException(f"{response.status_code}: {message}")
+    return AdminError(response.status_code, str(message))
 
 
 def _print_json(doc: Any) -> None:
@@ -429,6 +500,36 @@ def keys_limits(
     click.echo(f"{scope} {ident}: {limits}")
 
 
+@keys.command("cache")
+@click.option("--project", required=True, help="ORG/TEAM/PROJECT whose answers are cached.")
+@click.option(
+    "--ttl", default=None, help="How long an answer is reused: 30m, 24h, … (default 24h)."
+)
+@click.option("--off", is_flag=True, help="Stop caching this project's answers.")
+@_data_dir_option()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def keys_cache(project: str, ttl: str | None, off: bool, data_dir: Path, as_json: bool) -> None:
+    """Turn the exact answer cache on (or --off) for a project's keys.
+
+    Answers are kept in the gateway's memory only, up to router.cache.max_bytes;
+    a repeated request is answered from it, free, with x-llmgw-cache: hit.
+    """
+    if off and ttl is not None:
+        raise click.UsageError("give --ttl or --off, not both")
+    path = f"/api/v1/projects/{quote(project.strip('/'), safe='/')}/cache"
+    client = AdminClient(data_dir)
+    doc = (
+        client.call("DELETE", path) if off else client.call("PUT", path, json={"ttl": ttl or "24h"})
+    )
+    if as_json:
+        _print_json(doc)
+        return
+    if doc["cache"]:
+        click.echo(f"{doc['project']}: answers cached for {doc['ttl_s']:g} s")
+    else:
+        click.echo(f"{doc['project']}: answer cache off")
+
+
 @keys.command("list")
 @_data_dir_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -553,23 +654,14 @@ def ctl_request(request_id: str, data_dir: Path, as_json: bool) -> None:
 @_data_dir_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def ctl_status(data_dir: Path, as_json: bool) -> None:
-    """Nodes and replicas."""
+    """Serving or stopped, nodes, models (ready/wanted) and replicas."""
+    from .ctl import print_status
+
     doc = AdminClient(data_dir).call("GET", "/api/v1/status")
     if as_json:
         _print_json(doc)
         return
-    click.echo(f"leader: {'yes' if doc['leader'] else 'no'}")
-    for node in doc["nodes"]:
-        link = "connected" if node["connected"] else "DISCONNECTED"
-        click.echo(
-            f"node {node['node_id']} ({node['address']}): {link}, {node['cpu_count']} CPUs, "
-            f"{node['memory_total_mb']} MiB, {node['gpus']} GPUs"
-        )
-    for rep in doc["replicas"]:
-        reason = f" — {rep['reason']}" if rep["reason"] else ""
-        click.echo(
-            f"replica {rep['replica_id']} on {rep['node_id']}:{rep['port']}: {rep['state']}{reason}"
-        )
+    print_status(doc)
 
 
 @ctl.command("logs")
@@ -724,6 +816,11 @@ def bench_gateway(
             data_dir=data_dir,
         )
     )
+
+
+# The cluster commands (models, nodes, replicas, settings, stop/start) live in
+# ctl.py and attach themselves to `cli` and `ctl` when imported.
+from . import ctl as _ctl_commands  # noqa: E402, F401
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import os
 import secrets
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any, Final
 
 import attrs
@@ -34,10 +35,12 @@ from llmgw.auth.tree import ScopeResolver
 from llmgw.engines.asgi import answer_lifespan
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
+from llmgw.router.engine_metrics import serve_engine_metrics
 from llmgw.store import Store, StoreError
 
 from .cluster import Cluster
 from .hub import serve_agent_hub
+from .live import LiveSettings, serve_settings
 from .reconciler import PortRange, serve_reconciler
 from .settings import ServerSettings
 
@@ -61,7 +64,10 @@ class ServerConfig:
     agent_listen: str = "127.0.0.1:7443"
     engine_ports: PortRange = (20000, 20999)
     grace_s: float = GRACE_S
+    #: The seed of the live settings (``server.yaml``); the store's document wins.
     settings: ServerSettings = attrs.field(factory=ServerSettings)
+    #: Where weights live (model purge); ``None`` = the SQLite store's folder.
+    data_dir: Path | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -176,11 +182,19 @@ async def serve_control_plane(
         resolver=resolver,
     )
     keys_service = KeysService(store, authenticator, resolver, auth, accountant)
-    admin = make_admin_app(store, cluster, authenticator, keys_service)
+    live = LiveSettings(store, cluster)
+    store_path = getattr(store, "path", None)
+    data_dir = config.data_dir or (Path(store_path).parent if store_path is not None else None)
+    admin = make_admin_app(
+        store, cluster, authenticator, keys_service, live=live, data_dir=data_dir
+    )
     metrics_app = _with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
     holder = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
 
     async with trio.open_nursery() as services:
+        # Every control plane keeps its settings live, leader or not; the
+        # store's document (seeded once from server.yaml) wins over the file.
+        await services.start(partial(serve_settings, store, cluster, config.settings, live=live))
         await services.start(
             partial(serve_usage_writer, usage, store, flush_interval_s=auth.flush_interval)
         )
@@ -189,6 +203,8 @@ async def serve_control_plane(
             serve_agent_hub, hub_host, hub_port, agent_token, cluster
         )
         await services.start(_serve_leadership, store, cluster, holder, config.engine_ports)
+        # The replicas' KV-cache usage, for the long-context routing profile.
+        await services.start(serve_engine_metrics, cluster)
         async with trio.open_nursery() as listeners:
             api = await listeners.start(serve_http1, gateway, config.listen, stop, config.grace_s)
             admin_address = await listeners.start(serve_asgi, admin, config.admin_listen, stop, 2.0)

@@ -1250,8 +1250,7 @@ def _put_settings_doc(
         current = _settings_version(conn)
         if expected_version is not None and expected_version != current:
             raise Conflict(
-                f"the settings changed meanwhile: version {current} is live, not "
-                f"{expected_version}"
+                f"the settings changed: version {current} is live, not {expected_version}"
             )
         version = current + 1
         conn.execute(

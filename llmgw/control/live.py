@@ -1,0 +1,391 @@
+"""Live cluster settings: the settings document in the store, applied by
+every control plane within about a second
+(``shared/spec/reconciler-and-lifecycle.md``, Cluster settings in the store).
+
+The document is the whole :class:`~llmgw.control.settings.ServerSettings`
+unstructured to plain JSON types (durations as seconds), kept by the store
+with a version counter and its history (``settings_history``):
+
+- on the first start with no stored document, the settings read from
+  ``server.yaml`` seed it (version 1, actor ``server.yaml``); a stored
+  document is never overwritten by a file;
+- every control plane (leader or not) runs :func:`serve_settings`, which
+  polls :meth:`~llmgw.store.Store.settings_version` every
+  :data:`POLL_S` and, when it moved, loads the document into
+  ``cluster.settings`` and pokes the cluster so the reconciler acts at once;
+- a stored document that no longer validates (written by a newer llmgw, or
+  by hand) is logged and the last good settings are kept;
+- writers (the admin API) go through :meth:`LiveSettings.update`: read,
+  change, validate, write with the read version expected (optimistic
+  concurrency, retried on a conflict), and apply on this control plane at
+  once.
+
+Not yet live: the gateway reads ``auth.*`` (limits, prices, cache TTL) once
+at start from ``server.yaml``; changing them in the store takes effect at
+the next start.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Final, NoReturn
+
+import attrs
+import cattrs
+import trio
+
+from llmgw.store import Conflict, Store, StoreError
+
+from .cluster import Cluster
+from .settings import ServerSettings, SettingsError, settings_from_doc
+
+__all__ = [
+    "POLL_S",
+    "LiveSettings",
+    "changed_keys",
+    "check_doc_keys",
+    "check_key_path",
+    "serve_settings",
+    "settings_to_doc",
+    "with_key",
+]
+
+log = logging.getLogger("llmgw.control.live")
+
+#: How often each control plane looks at the settings version, in seconds.
+POLL_S: Final = 1.0
+#: Tries of a read-change-write that keeps meeting concurrent writers.
+UPDATE_TRIES: Final = 5
+SEED_ACTOR: Final = "server.yaml"
+
+_unstructurer = cattrs.Converter()
+
+
+def settings_to_doc(settings: ServerSettings) -> dict[str, Any]:
+    """``settings`` as plain JSON types, every key present (durations in
+    seconds, tuples as lists); :func:`settings_from_doc` reads it back equal."""
+    doc: dict[str, Any] = _unstructurer.unstructure(settings)
+    return doc
+
+
+def check_key_path(key: str) -> None:
+    """Check that the dotted ``key`` names a setting (``router.admission.bands``,
+    ``auth.pricing.gemma-3-270m``, ``on_demand``).
+
+    Blocks may be named whole; inside a mapping of names (``auth.pricing``)
+    any name is accepted. A path cannot go into a list (``router.admission.bands.0``).
+
+    Raises:
+        SettingsError: an empty part, an unknown name (the message lists the
+            names the block has), or a path below a single value.
+    """
+    parts = key.split(".")
+    if not key or any(not part for part in parts):
+        raise SettingsError(f"{key!r} is not a dotted key like router.admission.bands")
+    kind: Any = ServerSettings
+    for at, part in enumerate(parts):
+        above = ".".join(parts[:at]) or "the top level"
+        if isinstance(kind, type) and attrs.has(kind):
+            hints = typing.get_type_hints(kind)
+            if part not in hints:
+                raise SettingsError(
+                    f"{'.'.join(parts[: at + 1])}: no such setting; {above} has "
+                    f"{', '.join(sorted(hints))}"
+                )
+            kind = hints[part]
+        elif typing.get_origin(kind) in (Mapping, dict):
+            kind = typing.get_args(kind)[1]
+        else:
+            what = (
+                "a list: set it whole"
+                if typing.get_origin(kind) in (tuple, list)
+                else "a single value"
+            )
+            raise SettingsError(f"{'.'.join(parts[: at + 1])}: no such setting; {above} is {what}")
+
+
+def check_doc_keys(doc: Mapping[str, Any]) -> None:
+    """Refuse a key the settings do not have anywhere in ``doc``, naming its
+    whole path and what its block has (``serving.paused: no such setting;
+    serving has stopped``). Values are left to :func:`settings_from_doc`.
+
+    Raises:
+        SettingsError: the first unknown key found.
+    """
+    _check_keys(doc, ServerSettings, "")
+
+
+def _check_keys(value: Any, kind: Any, path: str) -> None:
+    if isinstance(kind, type) and attrs.has(kind):
+        if not isinstance(value, Mapping):
+            return
+        hints = typing.get_type_hints(kind)
+        for name, below in value.items():
+            here = f"{path}{name}"
+            if name not in hints:
+                block = path.rstrip(".") or "the top level"
+                raise SettingsError(
+                    f"{here}: no such setting; {block} has {', '.join(sorted(hints))}"
+                )
+            _check_keys(below, hints[name], f"{here}.")
+    elif typing.get_origin(kind) in (Mapping, dict) and isinstance(value, Mapping):
+        inner = typing.get_args(kind)[1]
+        for name, below in value.items():
+            _check_keys(below, inner, f"{path}{name}.")
+    elif typing.get_origin(kind) is tuple and isinstance(value, list | tuple):
+        inner = typing.get_args(kind)[0]
+        for at, below in enumerate(value):
+            _check_keys(below, inner, f"{path.rstrip('.')}[{at}].")
+
+
+def with_key(doc: Mapping[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of ``doc`` with the dotted ``key`` set to ``value`` (blocks on
+    the way made when missing). Not validated: pass the result through
+    :func:`settings_from_doc`.
+
+    Raises:
+        SettingsError: ``key`` names no setting (:func:`check_key_path`).
+    """
+    check_key_path(key)
+    out = copy.deepcopy(dict(doc))
+    parts = key.split(".")
+    here = out
+    for part in parts[:-1]:
+        below = here.get(part)
+        if not isinstance(below, dict):
+            below = {}
+            here[part] = below
+        here = below
+    here[parts[-1]] = value
+    return out
+
+
+def changed_keys(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+    """The dotted keys whose values differ between two documents, sorted
+    (lists compare whole)."""
+
+    def flatten(doc: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+        for name, value in doc.items():
+            if isinstance(value, Mapping):
+                flatten(value, f"{prefix}{name}.", out)
+            else:
+                out[f"{prefix}{name}"] = value
+        return out
+
+    old, new = flatten(before, "", {}), flatten(after, "", {})
+    return sorted(
+        k for k in old.keys() | new.keys() if old.get(k, _MISSING) != new.get(k, _MISSING)
+    )
+
+
+_MISSING: Final = object()
+
+
+class LiveSettings:
+    """This control plane's view of the stored settings, and the one way to
+    change them.
+
+    Attributes:
+        version: the version applied to ``cluster.settings`` (0 = none yet).
+        doc: the document of that version (normalised, every key present).
+    """
+
+    def __init__(self, store: Store, cluster: Cluster) -> None:
+        self._store = store
+        self._cluster = cluster
+        self.version = 0
+        self.doc: dict[str, Any] = settings_to_doc(cluster.settings)
+        self._bad_version = 0
+
+    def apply(self, version: int, doc: Mapping[str, Any]) -> bool:
+        """Make ``doc`` the live settings if ``version`` is newer than the
+        applied one; poke the cluster when something changed.
+
+        Returns:
+            Whether it was applied. A document that does not validate is
+            logged once per version and not applied (the last good one stays).
+        """
+        if version <= self.version:
+            return False
+        try:
+            settings = settings_from_doc(doc)
+        except SettingsError as exc:
+            if version != self._bad_version:
+                self._bad_version = version
+                log.error(
+                    "stored settings version %d is not valid (%s); keeping version %d",
+                    version,
+                    exc,
+                    self.version,
+                )
+            return False
+        previous = self._cluster.settings
+        self.version = version
+        self.doc = settings_to_doc(settings)
+        self._cluster.settings = settings
+        if settings != previous:
+            log.info("settings version %d applied", version)
+            self._cluster.poke()
+        return True
+
+    async def refresh(self) -> bool:
+        """Load the stored document if its version moved; whether it was applied.
+
+        Raises:
+            StoreError: the store cannot be read.
+        """
+        version = await self._store.settings_version()
+        if version == self.version or version == self._bad_version:
+            return False
+        stored = await self._store.get_settings_doc()
+        if stored is None:
+            return False
+        return self.apply(*stored)
+
+    async def seed(self, settings: ServerSettings) -> bool:
+        """Store ``settings`` as version 1 if there is no document yet (a
+        stored one is never replaced); whether this call wrote it.
+
+        Raises:
+            StoreError: the store cannot be reached.
+        """
+        if await self._store.settings_version() != 0:
+            return False
+        try:
+            version = await self._store.put_settings_doc(
+                settings_to_doc(settings),
+                expected_version=0,
+                actor=SEED_ACTOR,
+                note="first start: settings from server.yaml",
+            )
+        except Conflict:
+            return False  # another control plane seeded it first
+        log.info("settings seeded from server.yaml (version %d)", version)
+        return True
+
+    async def update(
+        self,
+        change: Callable[[dict[str, Any]], dict[str, Any]],
+        *,
+        actor: str,
+        note: str = "",
+        expected_version: int | None = None,
+    ) -> tuple[int, bool]:
+        """Read the stored document, ``change`` it, validate, write it as the
+        next version, and apply it here at once.
+
+        ``change`` gets a copy of the current (normalised) document and
+        returns the new one; it may raise :class:`SettingsError`. When
+        another writer got in between, the whole read-change-write runs again
+        (up to :data:`UPDATE_TRIES`) unless ``expected_version`` was given:
+        then a document changed since that version is a :class:`Conflict`.
+
+        Returns:
+            ``(version, changed)``: the live version afterwards and whether a
+            new one was written (a change that changes nothing writes nothing).
+
+        Raises:
+            SettingsError: the new document does not validate (the message
+                names the key's path).
+            Conflict: ``expected_version`` is not the stored version, or the
+                store kept changing under us.
+            StoreError: the store cannot be reached.
+        """
+        for _ in range(UPDATE_TRIES):
+            stored = await self._store.get_settings_doc()
+            version, current = (0, self.doc) if stored is None else stored
+            if expected_version is not None and expected_version != version:
+                raise Conflict(
+                    f"the settings changed meanwhile: version {version} is live, not "
+                    f"{expected_version}; read them again"
+                )
+            try:
+                current_doc = settings_to_doc(settings_from_doc(current))
+            except SettingsError:
+                current_doc = dict(current)  # a bad stored document may be replaced whole
+            changed_doc = change(copy.deepcopy(current_doc))
+            check_doc_keys(changed_doc)
+            new_doc = settings_to_doc(settings_from_doc(changed_doc))
+            if stored is not None and new_doc == current_doc:
+                self.apply(version, current)
+                return version, False
+            try:
+                written = await self._store.put_settings_doc(
+                    new_doc, expected_version=version, actor=actor, note=note
+                )
+            except Conflict:
+                if expected_version is not None:
+                    raise
+                continue
+            self.apply(written, new_doc)
+            return written, True
+        raise Conflict(f"the settings kept changing; gave up after {UPDATE_TRIES} tries")
+
+
+async def serve_settings(
+    store: Store,
+    cluster: Cluster,
+    seed: ServerSettings,
+    *,
+    live: LiveSettings | None = None,
+    task_status: trio.TaskStatus[LiveSettings] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Keep ``cluster.settings`` equal to the stored document, until cancelled.
+
+    First ``cluster.settings`` is set to ``seed`` and, when the store holds
+    no document, ``seed`` is stored as version 1; then the stored document
+    is loaded. Started (with the :class:`LiveSettings`) once that is done or
+    the store could not be reached (then the seed applies and the loop keeps
+    trying). Then polls the version every :data:`POLL_S`; store errors are
+    logged and retried, never raised.
+
+    Args:
+        store: the store.
+        cluster: whose ``settings`` are kept current; poked on each change.
+        seed: the settings from ``server.yaml`` (or the defaults).
+        live: the state to keep (the admin API shares it); made when ``None``.
+    """
+    if live is None:
+        live = LiveSettings(store, cluster)
+    if live.version == 0:
+        cluster.settings = seed
+        live.doc = settings_to_doc(seed)
+    failing = False
+    started = False
+    while True:
+        try:
+            if live.version == 0:
+                seeded = await live.seed(seed)
+                if await live.refresh() and not seeded:
+                    _say_seed_ignored(seed, live)
+            else:
+                await live.refresh()
+            if failing:
+                log.info("settings store reachable again (version %d)", live.version)
+                failing = False
+        except StoreError as exc:
+            if not failing:
+                log.warning(
+                    "cannot read the settings from the store (%s); keeping version %d",
+                    exc,
+                    live.version,
+                )
+                failing = True
+        if not started:
+            started = True
+            task_status.started(live)
+        await trio.sleep(POLL_S)
+
+
+def _say_seed_ignored(seed: ServerSettings, live: LiveSettings) -> None:
+    differ = changed_keys(settings_to_doc(seed), live.doc)
+    if differ:
+        log.warning(
+            "the stored settings (version %d) differ from server.yaml in %s; the stored "
+            "ones apply (change them with 'llmgw ctl config')",
+            live.version,
+            ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else ""),
+        )
