@@ -86,7 +86,16 @@ async def run_bench_gateway(
         await store.insert_key(attrs.evolve(record, project_id=path.project.id, limits=roomy))
         cluster = Cluster()
         cluster.is_leader = True
-        cluster.models = {model: ModelRecord.simple(model, "sim", created_at=time.time())}
+        cluster.models = {
+            model: ModelRecord.simple(
+                # slots=0: the bench's engine runs any number at once, so
+                # admission never queues (its capacity is unbounded).
+                model,
+                "sim",
+                slots=0,
+                created_at=time.time(),
+            )
+        }
         cluster.endpoints = {
             model: [
                 Endpoint(

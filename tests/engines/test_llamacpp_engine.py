@@ -17,6 +17,7 @@ import trio
 from llmgw.engines.base import ShardLaunch, body_says_ready
 from llmgw.engines.llamacpp import LlamaCppAdapter, common_params, parse_args
 from llmgw.engines.sim import SimAdapter
+from llmgw.engines.sim import parse_args as parse_sim_args
 from llmgw.engines.testing import engine_process_env, read_line, stop_process
 
 KEY = "llama-test-key"
@@ -120,10 +121,19 @@ def test_the_sim_adapter_runs_the_sim_module_with_the_key_in_the_environment() -
         "18080",
         "--model",
         "m",
+        "--slots",
+        "4",
         "--tokens",
         "8",
     ]
     assert command.env["LLAMA_API_KEY"] == KEY
+
+
+def test_the_sim_runs_as_many_at_once_as_the_profile_has_slots_unless_its_args_say() -> None:
+    # argparse takes the last --slots: the profile's comes before the args.
+    [command] = SimAdapter().commands(_shard(slots=2, args=("--slots", "0")))
+    assert command.argv[-4:] == ["--slots", "2", "--slots", "0"]
+    assert parse_sim_args(command.argv[3:]).slots == 0
 
 
 def test_the_launcher_turns_llama_server_flags_into_xllamacpp_common_params() -> None:

@@ -1401,7 +1401,10 @@ class SimAdapter:
         return "/metrics"
 
     def commands(self, shard: ShardLaunch) -> list[Command]:
-        """``[python, -m, llmgw.engines.sim, --host, …, --port, …, --model, …, *args]``."""
+        """``[python, -m, llmgw.engines.sim, --host, …, --port, …, --model, …,
+        --slots, N, *args]``: the profile's slots bound the requests generating
+        at once, as llama.cpp's ``--parallel`` does (a ``--slots`` in ``args``
+        wins), so the router's idea of a replica's capacity holds."""
         args = (
             "-m",
             "llmgw.engines.sim",
@@ -1411,6 +1414,8 @@ class SimAdapter:
             str(shard.http_port),
             "--model",
             shard.served_model_name,
+            "--slots",
+            str(shard.slots),
             *shard.args,
         )
         return [Command(name="sim", path=self.python, args=args, env=engine_env(shard, KEY_ENV))]
