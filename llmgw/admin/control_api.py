@@ -25,7 +25,9 @@ Settings (the whole ``ServerSettings`` document, durations in seconds):
   "expected_version"?, "note"?}``: set one dotted key (400 on an unknown
   key path or a bad value).
 
-Both answer ``{"version", "changed", "document"}``.
+Both answer ``{"version", "changed", "document"}``, plus ``"restart_needed":
+[dotted keys]`` when a changed key is read only at start
+(:data:`llmgw.control.live.RESTART_KEYS`).
 
 Whole system: ``POST /api/v1/system/stop`` / ``start`` set or clear
 ``serving.stopped`` → ``{"stopped", "changed", "version"}``.
@@ -80,7 +82,7 @@ from llmgw.agent.protocol import ShardState
 from llmgw.auth.tree import parse_project_path
 from llmgw.control.catalog import CatalogError, parse_model, validate_model
 from llmgw.control.cluster import Cluster, ShardInfo, engine_key
-from llmgw.control.live import LiveSettings, changed_keys, with_key
+from llmgw.control.live import RESTART_KEYS, LiveSettings, changed_keys, with_key
 from llmgw.control.placement import explain, gpu_class_of
 from llmgw.control.planning import ModelFacts, PlanningError, read_model_facts
 from llmgw.control.reconciler import wanted_replicas
@@ -465,8 +467,18 @@ def add_control_routes(
     async def bad_settings(exc: SettingsError) -> Response:
         return _error(400, f"Settings not valid: {exc}", "invalid_settings")
 
-    def settings_answer(version: int, changed: bool) -> dict[str, Any]:
-        return {"version": version, "changed": changed, "document": live.doc}
+    def settings_answer(
+        version: int, changed: bool, before: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        answer: dict[str, Any] = {"version": version, "changed": changed, "document": live.doc}
+        if before is not None and changed:
+            moved = changed_keys(before, live.doc)
+            restart = [
+                k for k in moved if any(k == r or k.startswith(r + ".") for r in RESTART_KEYS)
+            ]
+            if restart:
+                answer["restart_needed"] = restart
+        return answer
 
     # --- settings -----------------------------------------------------------------
 
@@ -506,13 +518,14 @@ def add_control_routes(
         document = body.get("document")
         if not isinstance(document, dict):
             raise _Refused(400, "'document' must be the whole settings document (an object).")
+        before = dict(live.doc)
         version, changed = await live.update(
             lambda _: dict(document),
             actor=_actor(),
             note=str(body.get("note") or "replaced whole"),
             expected_version=_optional_int(body, "expected_version"),
         )
-        return settings_answer(version, changed)
+        return settings_answer(version, changed, before)
 
     @app.patch("/api/v1/config")
     async def patch_config() -> Any:
@@ -521,13 +534,14 @@ def add_control_routes(
         if not isinstance(key, str) or "value" not in body:
             raise _Refused(400, "Send {'key': 'router.admission.bands', 'value': …}.")
         value = body["value"]
+        before = dict(live.doc)
         version, changed = await live.update(
             lambda doc: with_key(doc, key, value),
             actor=_actor(),
             note=str(body.get("note") or f"set {key}"),
             expected_version=_optional_int(body, "expected_version"),
         )
-        return settings_answer(version, changed)
+        return settings_answer(version, changed, before)
 
     # --- whole system ----------------------------------------------------------------
 

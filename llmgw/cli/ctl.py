@@ -759,6 +759,8 @@ def config_set(key: str, value: str, note: str, data_dir: Path, as_json: bool) -
         click.echo(f"{key} = {shown} (settings version {doc['version']})")
     else:
         click.echo(f"{key} is already {shown}")
+    for later in doc.get("restart_needed", []):
+        click.echo(f"note: {later} is read at start: it applies when llmgw next starts")
 
 
 _EDIT_HEADER = """\

@@ -20,9 +20,12 @@ with a version counter and its history (``settings_history``):
   concurrency, retried on a conflict), and apply on this control plane at
   once.
 
-Not yet live: the gateway reads ``auth.*`` (limits, prices, cache TTL) once
-at start from ``server.yaml``; changing them in the store takes effect at
-the next start.
+Live too: ``auth.default_rpm``, ``auth.default_tpm``, ``auth.pricing`` and
+``auth.default_price`` (the gateway follows them from its next request).
+Read once at start, so a change takes effect at the next start
+(:data:`RESTART_KEYS`): the usage writer's ``auth.flush_interval``,
+``batch_size`` and ``buffer_size``, ``auth.cache_ttl`` and
+``auth.max_key_ttl``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ import logging
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Final, NoReturn
+
+#: Settings read once when a control plane starts: a change applies at the
+#: next start (the admin API says so when one is changed).
+RESTART_KEYS: Final = (
+    "auth.flush_interval",
+    "auth.batch_size",
+    "auth.buffer_size",
+    "auth.cache_ttl",
+    "auth.max_key_ttl",
+)
 
 import attrs
 import cattrs

@@ -318,6 +318,10 @@ async def _gguf_model_record(
         # tokens. Gemma's template is built into llama.cpp under that name;
         # with Jinja on, the name would be taken as a template's text.
         args = ("--chat-template", "gemma", "--no-jinja", *args)
+    if "--embeddings" not in args and "--embedding" not in args:
+        # /v1/embeddings too; OpenAI's API needs the tokens pooled, and
+        # llama.cpp's default for this model is none. Chat is unchanged.
+        args = (*args, "--embeddings", "--pooling", "mean")
     return ModelRecord.simple(
         model_name or STARTER_MODEL_NAME,
         source=str(path),

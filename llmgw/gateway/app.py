@@ -34,6 +34,7 @@ import trio
 
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant, Refused, Reservation
+from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter
 from llmgw.agent.protocol import ShardState
 from llmgw.auth.keys import KeyAuthenticator, KeyRefused
@@ -229,6 +230,8 @@ class Gateway:
         self._names_of: object = None
         settings = cluster.settings
         self._bands_of: object = settings.router.admission
+        #: Read at start by the control plane; followed from here on.
+        self._auth_of: object = settings.auth
         self._admission = Admission(_bands(settings.router.admission.bands))
         self._cache_settings: object = settings.router.cache
         self._cache = AnswerCache(
@@ -333,8 +336,17 @@ class Gateway:
         return self._names.get(name)
 
     def _sync_settings(self) -> None:
-        """Follow live changes of the admission bands and the cache bounds."""
-        router = self._cluster.settings.router
+        """Follow live changes of the admission bands, the cache bounds, and
+        the default limits and prices (``auth.default_rpm``, ``default_tpm``,
+        ``pricing``, ``default_price``)."""
+        settings = self._cluster.settings
+        if settings.auth is not self._auth_of:
+            self._auth_of = auth = settings.auth
+            if self._accountant is not None:
+                self._accountant.prices = PriceBook(auth.pricing, auth.default_price)
+                self._accountant.default_rpm = auth.default_rpm
+                self._accountant.default_tpm = auth.default_tpm
+        router = settings.router
         if router.admission is not self._bands_of:
             self._bands_of = router.admission
             self._admission.set_bands(_bands(router.admission.bands))
@@ -352,6 +364,7 @@ class Gateway:
         metrics.IN_FLIGHT.inc()
         try:
             call.key = await self._authenticate(scope)
+            self._sync_settings()
             if self._cluster.settings.serving.stopped:
                 raise _system_stopped()
             body = await _read_body(scope, receive, self._max_body_bytes)
@@ -372,7 +385,7 @@ class Gateway:
                     param="model",
                 )
             call.model = model.name
-            self._check(doc, model)
+            self._check(doc, model, kind)
             profile = _header(scope, b"x-llmgw-profile")
             call.profile = (
                 profile.decode("latin-1") if profile else model.routing
@@ -431,7 +444,7 @@ class Gateway:
         finally:
             metrics.IN_FLIGHT.dec()
 
-    def _check(self, doc: dict[str, Any], model: ModelRecord) -> None:
+    def _check(self, doc: dict[str, Any], model: ModelRecord, kind: str) -> None:
         """The model-dependent checks (``shared/spec/gateway-api.md``, pipeline step 3)."""
         if model.stopped:
             raise ApiError(
@@ -444,9 +457,11 @@ class Gateway:
         for field in ("max_tokens", "max_completion_tokens"):
             value = doc.get(field)
             if limit and isinstance(value, int) and value > limit:
+                # Named as the client named it (Responses: max_output_tokens).
+                asked = "max_output_tokens" if kind == "responses" else field
                 raise bad_request(
-                    f"'{field}' is {value}, above the {limit} tokens '{model.name}' may answer.",
-                    param=field,
+                    f"'{asked}' is {value}, above the {limit} tokens '{model.name}' may answer.",
+                    param=asked,
                 )
         n = doc.get("n")
         if n is not None and n != 1:
@@ -484,7 +499,6 @@ class Gateway:
     async def _answer_request(
         self, scope: Scope, send: Send, call: _Call, doc: dict[str, Any], model: ModelRecord
     ) -> None:
-        self._sync_settings()
         ttl_s = self._cache_ttl_s(call, scope)
         if ttl_s is not None:
             call.cache_key = cache_key(call.scope_ids[0], model.name, call.kind, doc)
@@ -697,6 +711,7 @@ class Gateway:
             try:
                 with trio.fail_after(timeouts.first_byte):
                     response = await pool.request(b"POST", path, headers, body)
+                head_s = time.perf_counter() - sent_at
             except (UpstreamError, trio.TooSlowError) as exc:
                 endpoint.breaker.failure(time.monotonic())
                 log.warning("endpoint %s did not answer: %r", endpoint.label, exc)
@@ -735,6 +750,11 @@ class Gateway:
                         self._finish(call, 504, call.usage)
                 if call.ttft_s is not None:
                     endpoint.observe_ttft(call.ttft_s)
+                elif not call.stream and status == 200:
+                    # A whole answer's head comes after its generation: the
+                    # replicas of one model see the same mix of requests, so
+                    # this still ranks them by speed.
+                    endpoint.observe_ttft(head_s)
                 if status < 500 and status != 429:
                     endpoint.breaker.success()
                 elif counts_as_failure(status):
@@ -1155,10 +1175,11 @@ def _capacity(endpoints: list[Endpoint], model: ModelRecord) -> int:
 
 
 def _retryable(endpoint: Endpoint, status: int) -> bool:
-    """An answer worth another endpoint: the engine failed or is loading, or
-    an outside key is at its limit or refused."""
+    """An answer worth another endpoint: the engine failed or is loading
+    (5xx but 501, which another replica of the model would answer alike),
+    or an outside key is at its limit or refused."""
     if status >= 500:
-        return True
+        return status != 501
     return endpoint.external and status in (401, 403, 429)
 
 

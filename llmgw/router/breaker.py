@@ -59,9 +59,11 @@ class BreakerState(enum.Enum):
 
 def counts_as_failure(status: int) -> bool:
     """Whether an HTTP answer with ``status`` counts against the breaker:
-    429 and every 5xx. (Connect errors and timeouts count too; they have no
-    status.)"""
-    return status == 429 or status >= 500
+    429 and every 5xx but 501 (the engine does not do what was asked, e.g.
+    embeddings from a chat-only llama.cpp: the request's fault, not the
+    replica's, so no client can trip a breaker with it). Connect errors and
+    timeouts count too; they have no status."""
+    return status == 429 or (status >= 500 and status != 501)
 
 
 class Breaker:

@@ -152,16 +152,19 @@ def session_key(doc: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> 
        as ASGI gives them: lower-case names, bytes);
     2. the body's ``user`` field (OpenAI's end-user id);
     3. the body's ``metadata.user_id`` (Anthropic's);
-    4. for a chat request with at least one message: a hash of the
-       conversation's prefix — the model, the system/developer messages
-       before the first user message, and that first user message — which
-       every later turn of the same conversation repeats, so all its turns
-       land on the replica already holding its KV cache.
+    4. for a chat request continuing a conversation (it holds an assistant
+       or tool message already): a hash of the conversation's prefix — the
+       model, the system/developer messages before the first user message,
+       and that first user message — which every later turn repeats, so
+       all its turns land on the replica already holding its KV cache. A
+       conversation's first request has no cache anywhere: it has no
+       session, and goes to the replica expected to answer soonest.
 
     The source is part of the key (``h:``, ``u:``, ``m:``, ``p:``), so a user
     id cannot collide with a header value. Ids longer than
     :data:`MAX_SESSION_CHARS` are hashed. ``None``: no session (a
-    completions request without any of 1 to 3).
+    conversation's first turn, or a completions request, without any of 1
+    to 3).
     """
     for name, value in headers:
         if name in SESSION_HEADERS:
@@ -177,7 +180,9 @@ def session_key(doc: dict[str, Any], headers: Iterable[tuple[bytes, bytes]]) -> 
         if isinstance(user_id, str) and user_id:
             return "m:" + _bounded(user_id)
     messages = doc.get("messages")
-    if not isinstance(messages, list) or not messages:
+    if not isinstance(messages, list) or not any(
+        isinstance(m, dict) and m.get("role") in ("assistant", "tool") for m in messages
+    ):
         return None
     prefix: list[Any] = [doc.get("model")]
     for message in messages:

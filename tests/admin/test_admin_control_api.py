@@ -555,3 +555,18 @@ async def test_the_answer_cache_of_an_unknown_project_or_a_bad_ttl_is_refused(
     status, body = await admin.call("PUT", "/api/v1/projects/Acme/ml/train/cache", {"ttl": 0})
     assert status == 400
     assert admin.cluster.settings.router.cache.projects == {}
+
+
+async def test_a_change_to_a_setting_read_at_start_says_it_needs_a_restart(admin: Admin) -> None:
+    status, body = await admin.call(
+        "PATCH", "/api/v1/config", {"key": "auth.flush_interval", "value": "2s"}
+    )
+    assert status == 200
+    assert body["restart_needed"] == ["auth.flush_interval"]
+    status, body = await admin.call(
+        "PATCH", "/api/v1/config", {"key": "auth.default_rpm", "value": 1000}
+    )
+    assert status == 200
+    assert body["changed"] is True
+    assert "restart_needed" not in body  # the gateway follows it live
+    assert admin.cluster.settings.auth.default_rpm == 1000

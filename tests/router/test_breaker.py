@@ -138,3 +138,8 @@ def test_earliest_recovery_is_the_first_open_breaker_to_turn_half_open() -> None
 )
 def test_parse_retry_after(value: bytes | str | None, expected: float | None) -> None:
     assert parse_retry_after_s(value, now_wall=40.0) == expected
+
+
+def test_not_implemented_is_the_requests_fault_not_the_replicas() -> None:
+    assert not counts_as_failure(501)
+    assert counts_as_failure(500) and counts_as_failure(503) and counts_as_failure(429)

@@ -228,23 +228,36 @@ def test_session_key_prefers_a_header_then_user_then_metadata() -> None:
     assert len(long) < 100
 
 
-def test_session_key_of_a_conversation_is_its_prefix() -> None:
-    first = session_key(CHAT, [])
-    assert first is not None
-    assert first.startswith("p:")
-    later_turn = {
+def test_session_key_of_a_continued_conversation_is_its_prefix() -> None:
+    # A first turn has no cache anywhere: no session, the soonest replica.
+    assert session_key(CHAT, []) is None
+    second_turn = {
         **CHAT,
         "messages": [
             *CHAT["messages"],
             {"role": "assistant", "content": "hi"},
             {"role": "user", "content": "more"},
         ],
+    }
+    first = session_key(second_turn, [])
+    assert first is not None
+    assert first.startswith("p:")
+    third_turn = {
+        **second_turn,
+        "messages": [
+            *second_turn["messages"],
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "again"},
+        ],
         "temperature": 0.2,
     }
-    assert session_key(later_turn, []) == first
-    other_question = {**CHAT, "messages": [{"role": "user", "content": "bye"}]}
-    assert session_key(other_question, []) != first
-    assert session_key({**CHAT, "model": "n"}, []) != first
+    assert session_key(third_turn, []) == first
+    other = {
+        **second_turn,
+        "messages": [{"role": "user", "content": "bye"}, *second_turn["messages"][1:]],
+    }
+    assert session_key(other, []) != first
+    assert session_key({**second_turn, "model": "n"}, []) != first
 
 
 def test_no_session_for_a_bare_completions_request() -> None:

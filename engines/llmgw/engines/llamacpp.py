@@ -138,6 +138,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--no-jinja", dest="jinja", action="store_false")
     add("-cram", "--cache-ram", type=int, default=None, metavar="MIB")
     add("--embedding", "--embeddings", dest="embedding", action="store_true")
+    add(
+        "--pooling",
+        choices=("none", "mean", "cls", "last", "rank"),
+        default=None,
+        help="how embeddings pool the tokens (OpenAI's API needs one other than none)",
+    )
     add("-ngl", "--gpu-layers", "--n-gpu-layers", type=int, default=None, metavar="N")
     add("--no-webui", action="store_true")
     add("--no-warmup", action="store_true")
@@ -198,6 +204,10 @@ def common_params(ns: argparse.Namespace, api_key: str) -> Any:
         params.cache_ram_mib = ns.cache_ram
     if ns.embedding:
         params.embedding = True
+    if ns.pooling is not None:
+        params.pooling_type = getattr(
+            xllamacpp.llama_pooling_type, f"LLAMA_POOLING_TYPE_{ns.pooling.upper()}"
+        )
     if ns.gpu_layers is not None:
         params.n_gpu_layers = ns.gpu_layers
     if ns.no_webui:
