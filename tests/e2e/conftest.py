@@ -134,3 +134,50 @@ def start_up(tmp_path: Path) -> Iterator[object]:
     yield start
     for up in started:
         up.stop()
+
+
+#: Settings for tests that send more than the default 60 requests a minute
+#: (``auth.*`` is read once at start, so it goes in server.yaml).
+ROOMY_SETTINGS: dict[str, object] = {"auth": {"default_rpm": 1_000_000, "default_tpm": 10**10}}
+
+
+def admin_request(
+    up: Up, method: str, path: str, body: object = None, *, timeout: float = 30.0
+) -> httpx.Response:
+    """One call to the admin API of ``up`` (``/api/v1/…``) with its admin key."""
+    return httpx.request(
+        method,
+        f"http://{up.run['admin']}{path}",
+        json=body,
+        headers={"authorization": f"Bearer {up.admin_key}"},
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(name="admin_request")
+def admin_request_fixture() -> Callable[..., httpx.Response]:
+    """:func:`admin_request`: ``admin_request(up, "POST", "/api/v1/models", doc)``."""
+    return admin_request
+
+
+@pytest.fixture(scope="module")
+def start_module_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Up]]:
+    """Like ``start_up``, for one ``llmgw up`` shared by a module's tests:
+    ``start(*args, settings={...})`` writes ``settings`` (default
+    :data:`ROOMY_SETTINGS`) as its server.yaml, starts it and waits until
+    it is ready. Every one started is stopped after the module."""
+    started: list[Up] = []
+
+    def start(*args: str, settings: dict[str, object] | None = None) -> Up:
+        data_dir = tmp_path_factory.mktemp("up") / "data"
+        data_dir.mkdir()
+        doc = ROOMY_SETTINGS if settings is None else settings
+        (data_dir / "server.yaml").write_text(json.dumps(doc))  # JSON is YAML
+        up = Up(data_dir, list(args))
+        started.append(up)
+        up.wait_ready()
+        return up
+
+    yield start
+    for up in started:
+        up.stop()

@@ -19,6 +19,12 @@ Routes:
 - ``POST /tokenize``: ``{"tokens": [...], "count": n, "max_model_len": m}``.
 - ``GET /metrics``: a few vLLM-style Prometheus series.
 
+``--refuse-key KEY=STATUS`` (repeatable) answers ``STATUS`` (400 to 599, in
+OpenAI's error shape) to every request but ``/health`` bearing
+``Authorization: Bearer KEY``, whether or not the engine has a key of its
+own: a keyless sim so stands in for an outside provider where one key is at
+its limit (429) or refused (401) while the others are served.
+
 The model: a prompt's tokens are its whitespace-separated words (at least
 one). The answer is the words ``tok0 ``, ``tok1 `` … streamed ``--ttft-ms``
 after the request, then at ``--tokens-per-second`` per stream however many
@@ -68,7 +74,7 @@ import sys
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, cast
 
@@ -122,10 +128,33 @@ Send = Callable[[Message], Awaitable[None]]
 
 _FAIL_STATUSES = frozenset({429, 500, 502, 503})
 
+#: OpenAI's error ``type`` for the statuses ``--refuse-key`` answers.
+_REFUSAL_KINDS = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
 
 _counts = attrs.validators.ge(0)
 _amounts = attrs.validators.ge(0.0)
 _fraction = [attrs.validators.ge(0.0), attrs.validators.le(1.0)]
+
+
+def _pairs(value: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    return tuple(value)
+
+
+def _refusals(_: Any, attribute: attrs.Attribute[Any], value: tuple[Any, ...]) -> None:
+    for pair in value:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ValueError(f"'{attribute.name}' holds (key, status) pairs, not {pair!r}")
+        key, status = pair
+        if not key:
+            raise ValueError(f"'{attribute.name}': a key must not be empty")
+        if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
+            raise ValueError(f"'{attribute.name}': the status for a key must be 400 to 599")
 
 
 @attrs.frozen(kw_only=True)
@@ -157,6 +186,8 @@ class SimConfig:
         reasoning: chat answers start with reasoning text
             (``reasoning_content``).
         reasoning_tokens: words of reasoning when ``reasoning`` is on.
+        refuse_keys: ``(key, status)`` pairs: a request bearing ``Bearer
+            key`` is answered ``status`` (400 to 599) and nothing else.
 
     Raises:
         ValueError: a value is out of range.
@@ -179,6 +210,9 @@ class SimConfig:
     seed: int = 0
     reasoning: bool = False
     reasoning_tokens: int = attrs.field(default=8, validator=_counts)
+    refuse_keys: tuple[tuple[str, int], ...] = attrs.field(
+        default=(), converter=_pairs, validator=_refusals
+    )
 
 
 # -- the model ----------------------------------------------------------------
@@ -696,6 +730,10 @@ class SimEngine:
     def __init__(self, config: SimConfig, *, api_key: str = "") -> None:
         self.config = config
         self._auth = f"Bearer {api_key}".encode() if api_key else b""
+        #: ``Authorization`` header value → the status answered to it.
+        self._refused: dict[bytes, int] = {
+            f"Bearer {key}".encode(): status for key, status in config.refuse_keys
+        }
         self._ready_at = time.monotonic() + config.loading_seconds
         self._created = int(time.time())
         self._rng = random.Random(config.seed)
@@ -739,6 +777,8 @@ class SimEngine:
             else:
                 await _send_json(send, 200, b'{"status":"ok"}')
             return
+        if self._refused and await self._refuse(scope, send):
+            return
         if self._auth and not self._authorized(scope):
             await _send_error(send, 401, "Invalid API Key", "authentication_error")
             return
@@ -758,6 +798,21 @@ class SimEngine:
             await handler(receive, send)
         except _RequestError as error:
             await _send_error(send, error.status, error.message, error.kind)
+
+    async def _refuse(self, scope: Scope, send: Send) -> bool:
+        """Answers the status ``--refuse-key`` gives the request's key, if any."""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                status = self._refused.get(bytes(value))
+                if status is None:
+                    return False
+                kind = _REFUSAL_KINDS.get(status) or (
+                    "server_error" if status >= 500 else "invalid_request_error"
+                )
+                message = f"this key is refused with {status} (sim engine --refuse-key)"
+                await _send_error(send, status, message, kind)
+                return True
+        return False
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
@@ -1341,7 +1396,20 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
     parser.add_argument(
         "--reasoning-tokens", type=int, default=8, help="reasoning words with --reasoning"
     )
+    parser.add_argument(
+        "--refuse-key",
+        action="append",
+        default=[],
+        metavar="KEY=STATUS",
+        help="answer STATUS (400-599) to requests bearing this key (repeatable)",
+    )
     ns = parser.parse_args(argv)
+    refusals = []
+    for given in ns.refuse_key:
+        key, _, status = given.rpartition("=")
+        if not key or not status.isdigit():
+            parser.error(f"--refuse-key {given!r}: give KEY=STATUS, e.g. BAD=429")
+        refusals.append((key, int(status)))
     try:
         return SimConfig(
             model=ns.model,
@@ -1361,6 +1429,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
             seed=ns.seed,
             reasoning=ns.reasoning,
             reasoning_tokens=ns.reasoning_tokens,
+            refuse_keys=tuple(refusals),
         )
     except ValueError as error:
         parser.error(str(error))

@@ -1,0 +1,163 @@
+"""The client APIs against the real starter model (Gemma 3 270M on llama.cpp)
+through the official clients: chat, completions, embeddings and Anthropic
+messages, streamed and not.
+
+llama.cpp serves ``/v1/embeddings`` only with ``--embeddings``, and for a
+generative model such as Gemma only with a pooling type other than its
+default ``none``: ``llmgw up`` starts the starter model with ``--embeddings
+--pooling mean`` (chat and completions keep working with both on), so the
+model runs here exactly as a user gets it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "gemma-3-270m"
+TIMEOUT_S = 120.0
+#: Gemma 3 270M's hidden size: the length of its embeddings.
+EMBEDDING_DIM = 640
+
+
+@pytest.fixture(scope="module")
+def up(start_module_up: Callable[..., Any]) -> Any:
+    return start_module_up()
+
+
+@pytest.fixture
+def client(up: Any) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0, timeout=TIMEOUT_S
+    ) as made:
+        yield made
+
+
+@pytest.fixture
+def claude(up: Any) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(
+        base_url=up.base_url, api_key=up.admin_key, max_retries=0, timeout=TIMEOUT_S
+    ) as made:
+        yield made
+
+
+def _usage_row(up: Any, request_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        result = up.cli("ctl", "request", request_id, "--json")
+        if result.returncode == 0:
+            found: dict[str, Any] = json.loads(result.stdout)
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"no usage row for {request_id} within 15 s")
+
+
+def test_chat_streamed_and_not(up: Any, client: openai.OpenAI) -> None:
+    ask: list[Any] = [{"role": "user", "content": "Name three rivers."}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=ask, max_tokens=12)
+    assert raw.headers["x-llmgw-replica"] == f"{MODEL}-0"
+    answer = raw.parse()
+    assert answer.choices[0].message.content
+    assert answer.usage is not None
+    assert 0 < answer.usage.completion_tokens <= 12
+    assert answer.usage.prompt_tokens > 3
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ask,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert 0 < usage.completion_tokens <= 12
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens is not None
+    row = _usage_row(up, raw.headers["x-request-id"])
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (
+        answer.usage.prompt_tokens,
+        answer.usage.completion_tokens,
+    )
+
+
+def test_completions_streamed_and_not(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
+    assert whole.choices[0].text
+    assert whole.usage is not None
+    assert 0 < whole.usage.completion_tokens <= 8
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    # llama.cpp puts the usage in the last chunk, beside its choices.
+    usages = [c.usage for c in chunks if c.usage is not None]
+    assert len(usages) == 1
+    assert 0 < usages[0].completion_tokens <= 8
+
+
+def test_embeddings_in_floats_and_base64(up: Any, client: openai.OpenAI) -> None:
+    floats = client.embeddings.create(
+        model=MODEL, input=["hello world", "goodbye"], encoding_format="float"
+    )
+    assert [d.index for d in floats.data] == [0, 1]
+    vector = floats.data[0].embedding
+    assert len(vector) == EMBEDDING_DIM
+    assert math.isclose(math.sqrt(sum(x * x for x in vector)), 1.0, rel_tol=1e-3)
+    assert floats.usage.prompt_tokens > 0
+    default = client.embeddings.create(model=MODEL, input="hello world")
+    decoded = default.data[0].embedding
+    assert len(decoded) == EMBEDDING_DIM
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(decoded, vector, strict=True))
+    raw = client.embeddings.with_raw_response.create(model=MODEL, input="hello world")
+    row = _usage_row(up, raw.headers["x-request-id"])
+    assert row["endpoint"] == "embeddings"
+    assert row["prompt_tokens"] > 0
+
+
+def test_anthropic_messages_streamed_and_not(up: Any, claude: anthropic.Anthropic) -> None:
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        system="Answer briefly.",
+        messages=[{"role": "user", "content": "Name three rivers."}],
+    )
+    assert message.role == "assistant"
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    texts = [b for b in message.content if isinstance(b, anthropic.types.TextBlock)]
+    assert texts
+    assert texts[0].text
+    assert 0 < message.usage.output_tokens <= 12
+    assert message.usage.input_tokens > 0
+
+    with claude.messages.stream(
+        model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Name three rivers."}]
+    ) as stream:
+        request_id = stream.response.headers["x-request-id"]
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text
+    usage = final.usage
+    assert 0 < usage.output_tokens <= 12
+    row = _usage_row(up, request_id)
+    assert row["endpoint"] == "messages"
+    assert row["completion_tokens"] == usage.output_tokens
+    assert row["prompt_tokens"] == usage.input_tokens + (usage.cache_read_input_tokens or 0)
