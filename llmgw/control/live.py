@@ -36,6 +36,16 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Final, NoReturn
 
+import attrs
+import cattrs
+import trio
+
+from llmgw.store import Conflict, Store, StoreError
+
+from .cluster import Cluster
+from .settings import ServerSettings, SettingsError, settings_from_doc
+
+
 #: Settings read once when a control plane starts: a change applies at the
 #: next start (the admin API says so when one is changed).
 RESTART_KEYS: Final = (
@@ -46,17 +56,9 @@ RESTART_KEYS: Final = (
     "auth.max_key_ttl",
 )
 
-import attrs
-import cattrs
-import trio
-
-from llmgw.store import Conflict, Store, StoreError
-
-from .cluster import Cluster
-from .settings import ServerSettings, SettingsError, settings_from_doc
-
 __all__ = [
     "POLL_S",
+    "RESTART_KEYS",
     "LiveSettings",
     "changed_keys",
     "check_doc_keys",
