@@ -45,7 +45,6 @@ from llmgw.store import Conflict, Store, StoreError
 from .cluster import Cluster
 from .settings import ServerSettings, SettingsError, settings_from_doc
 
-
 #: Settings read once when a control plane starts: a change applies at the
 #: next start (the admin API says so when one is changed).
 RESTART_KEYS: Final = (

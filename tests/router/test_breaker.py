@@ -142,4 +142,6 @@ def test_parse_retry_after(value: bytes | str | None, expected: float | None) ->
 
 def test_not_implemented_is_the_requests_fault_not_the_replicas() -> None:
     assert not counts_as_failure(501)
-    assert counts_as_failure(500) and counts_as_failure(503) and counts_as_failure(429)
+    assert counts_as_failure(500)
+    assert counts_as_failure(503)
+    assert counts_as_failure(429)
