@@ -83,7 +83,7 @@ from llmgw.auth.tree import parse_project_path
 from llmgw.control.catalog import CatalogError, parse_model, validate_model
 from llmgw.control.cluster import Cluster, ShardInfo, engine_key
 from llmgw.control.live import RESTART_KEYS, LiveSettings, changed_keys, with_key
-from llmgw.control.placement import explain, gpu_class_of
+from llmgw.control.placement import explain, gpu_class_of, node_room
 from llmgw.control.planning import ModelFacts, PlanningError, read_model_facts
 from llmgw.control.reconciler import wanted_replicas
 from llmgw.control.settings import SettingsError, parse_duration_s
@@ -239,7 +239,8 @@ def _node_view(node_id: str, cluster: Cluster) -> dict[str, Any]:
     node = cluster.nodes[node_id]
     hardware = node.hardware
     nodes_settings = cluster.settings.nodes
-    gpus = getattr(node, "gpus", None) or hardware.gpus
+    gpus = node.gpus or hardware.gpus
+    room = node_room(cluster, node_id)
     return {
         "node_id": node.node_id,
         "address": node.address,
@@ -250,12 +251,15 @@ def _node_view(node_id: str, cluster: Cluster) -> dict[str, Any]:
         "memory_total_mb": hardware.memory_total_mb,
         "memory_available_mb": node.memory_available_mb,
         "load_1m": node.load_1m,
-        "memory_bandwidth_gbps": float(
-            getattr(node, "memory_bandwidth_gbps", 0.0) or hardware.memory_bandwidth_gbps
-        ),
-        "core_bandwidth_gbps": float(
-            getattr(node, "core_bandwidth_gbps", 0.0) or hardware.core_bandwidth_gbps
-        ),
+        "memory_bandwidth_gbps": node.memory_bandwidth_gbps or hardware.memory_bandwidth_gbps,
+        "core_bandwidth_gbps": node.core_bandwidth_gbps or hardware.core_bandwidth_gbps,
+        # What the replicas here hold, to set beside what the node has.
+        "reserved": {
+            "memory_gb": round(room.memory_gb, 3),
+            "cpu_cores": room.cpu_cores,
+            "gpu_memory_mb": {str(i): mb for i, mb in sorted(room.gpu_mb.items())},
+            "whole_gpus": sorted(room.whole_cards),
+        },
         "gpus": [{**attrs.asdict(gpu), "gpu_class": gpu_class_of(gpu)} for gpu in gpus],
         "engines": list(getattr(node, "engines", ())),
         "labels": dict(getattr(node, "labels", {})),

@@ -567,12 +567,14 @@ def ctl_nodes(data_dir: Path, as_json: bool) -> None:
         gpus = node["gpus"]
         gpu_text = ", ".join(g.get("gpu_class") or g["name"] for g in gpus) if gpus else "-"
         bandwidth = node.get("memory_bandwidth_gbps") or 0
+        reserved = node.get("reserved") or {}
         rows.append(
             [
                 node["node_id"],
                 node["address"],
                 "up" if node["connected"] else "DOWN",
-                node["cpu_count"],
+                f"{reserved.get('cpu_cores', 0)}/{node['cpu_count']}",
+                f"{reserved.get('memory_gb', 0.0):.1f}",
                 f"{node['memory_available_mb'] / 1024:.1f}/{node['memory_total_mb'] / 1024:.1f}",
                 f"{bandwidth:.0f}" if bandwidth else "-",
                 gpu_text,
@@ -587,7 +589,8 @@ def ctl_nodes(data_dir: Path, as_json: bool) -> None:
                 "NODE",
                 "ADDRESS",
                 "LINK",
-                "CPUS",
+                "CORES RSVD/ALL",
+                "MEM GB RSVD",
                 "MEM GiB FREE/ALL",
                 "GB/S",
                 "GPUS",

@@ -158,6 +158,10 @@ class NodeInfo:
     labels: dict[str, str] = attrs.field(factory=dict)
     gpus: tuple[protocol.Gpu, ...] = ()
     disconnected_at: float | None = None
+    #: Measured memory read bandwidth, whole machine and one core, GB/s: the
+    #: latest figures the agent sent (0 until it has measured).
+    memory_bandwidth_gbps: float = 0.0
+    core_bandwidth_gbps: float = 0.0
 
 
 @attrs.define(kw_only=True)
@@ -449,6 +453,10 @@ class Cluster:
             engines=tuple(register.engines),
             labels=dict(register.labels),
             gpus=register.hardware.gpus,
+            memory_bandwidth_gbps=register.hardware.memory_bandwidth_gbps
+            or (previous.memory_bandwidth_gbps if previous is not None else 0.0),
+            core_bandwidth_gbps=register.hardware.core_bandwidth_gbps
+            or (previous.core_bandwidth_gbps if previous is not None else 0.0),
         )
         self.nodes[register.node_id] = node
         for running in register.running_shards:
@@ -543,8 +551,8 @@ class Cluster:
         self.poke()
 
     def heartbeat(self, beat: protocol.Heartbeat) -> None:
-        """Fold a heartbeat in: memory, load, and the cards' foreign use
-        (kept as before when the beat carries no cards)."""
+        """Fold a heartbeat in: memory, load, measured bandwidth, and the
+        cards' foreign use (kept as before when the beat carries none)."""
         node = self.nodes.get(beat.node_id)
         if node is not None:
             node.last_seen = self.now()
@@ -552,6 +560,12 @@ class Cluster:
             node.load_1m = beat.load_1m
             if beat.gpus:
                 node.gpus = beat.gpus
+            # The agent measures after it registered: its figures come in
+            # heartbeats; a beat without them keeps the last ones (agent.md).
+            if beat.memory_bandwidth_gbps > 0:
+                node.memory_bandwidth_gbps = beat.memory_bandwidth_gbps
+            if beat.core_bandwidth_gbps > 0:
+                node.core_bandwidth_gbps = beat.core_bandwidth_gbps
 
     def shard_status(self, status: protocol.ShardStatus, node_id: str | None = None) -> None:
         """Fold a shard's report in and wake the reconciler.

@@ -50,6 +50,7 @@ from llmgw.engines.registry import check_args
 from llmgw.store import ModelRecord, Store, open_store
 
 from .cluster import Cluster
+from .planning import PlanningError, read_model_facts, suggested_min_memory_gb
 from .server import Addresses, ServerConfig, serve_control_plane
 from .settings import ServerSettings, load_settings
 
@@ -305,7 +306,12 @@ async def _gguf_model_record(
             raise FileNotFoundError(f"--model {options.model}: no such file")
         name = model_name or path.stem
         say(f"model {name}: {path}")
-        return ModelRecord.simple(name, source=str(path), **common)  # type: ignore[arg-type]
+        return ModelRecord.simple(
+            name,
+            source=str(path),
+            min_memory_gb=_memory_gb(path, options.context_tokens),
+            **common,  # type: ignore[arg-type]
+        )
     weights = data_dir / "weights"
     say(f"checking the starter model {STARTER_MODEL_NAME} in {weights} …")
     path = await trio.to_thread.run_sync(assemble_starter_model, weights)
@@ -326,8 +332,20 @@ async def _gguf_model_record(
         model_name or STARTER_MODEL_NAME,
         source=str(path),
         sha256=starter.EXPECTED_SHA256,
+        min_memory_gb=_memory_gb(path, options.context_tokens),
         **{**common, "args": args},  # type: ignore[arg-type]
     )
+
+
+def _memory_gb(path: Path, context_tokens: int) -> float:
+    """The host memory a GGUF on llama.cpp needs with ``context_tokens``
+    (``ctl model plan``'s figure), reserved by its profile; 0 when the file
+    cannot be read as a GGUF (the engine will say why)."""
+    try:
+        return suggested_min_memory_gb(read_model_facts(path), context_tokens)
+    except PlanningError as exc:
+        log.warning("cannot plan %s: %s", path, exc)
+        return 0.0
 
 
 async def _ensure_admin_key(store: Store, data_dir: Path, say: Say) -> str:

@@ -483,6 +483,12 @@ async def test_nodes_show_hardware_cordons_and_replicas(admin: Admin) -> None:
     assert node["memory_total_mb"] == 16384
     assert node["memory_available_mb"] == 8192
     assert node["memory_bandwidth_gbps"] == 40.0
+    assert node["reserved"] == {
+        "memory_gb": 0.0,
+        "cpu_cores": 0,
+        "gpu_memory_mb": {},
+        "whole_gpus": [],
+    }
     assert (node["cordoned"], node["draining"]) == (True, True)
     assert node["replicas"] == ["m-0"]
     assert node["gpus"] == []

@@ -305,11 +305,15 @@ async def test_nodes_replicas_and_cordons(running: Running) -> None:
             reason="exit 1; last output: out of memory",
             restarts=3,
             compute="CPU",
+            memory_gb=1.5,
+            cpu_cores=2,
         )
     )
     nodes = (await running.ok("ctl", "nodes")).splitlines()
+    # Cores reserved of all, memory reserved (GB), then what the node reports.
     assert nodes[1].split() == [
-        "n1", "10.0.0.1", "up", "8", "8.0/16.0", "40", "h100-80g", "llamacpp,sim", "-", "1",
+        "n1", "10.0.0.1", "up", "2/8", "1.5", "8.0/16.0", "40", "h100-80g", "llamacpp,sim",
+        "-", "1",
     ]  # fmt: skip
     replicas = (await running.ok("ctl", "replicas")).splitlines()
     assert replicas[1].split()[:7] == ["m-0", "m", "n1", "20001", "FAILED", "3", "CPU"]

@@ -290,3 +290,37 @@ async def test_demand_lasts_evict_after_idle_and_while_someone_waits(
     assert cluster.shards["m-0"].last_used_at == pytest.approx(61.0, abs=0.1)
     cluster.touch("m", at=10.0)  # an older report changes nothing
     assert cluster.last_used("m") == pytest.approx(61.0, abs=0.1)
+
+
+def test_the_bandwidth_measured_after_registering_arrives_in_heartbeats_and_is_kept() -> None:
+    cluster = Cluster()
+
+    async def send(_: protocol.Message) -> None:
+        return None
+
+    cluster.node_registered(
+        protocol.Register(
+            node_id="n1",
+            address="127.0.0.1",
+            agent_version="0.1.0",
+            hardware=protocol.Hardware(cpu_count=2, memory_total_mb=4096),
+        ),
+        send,
+    )
+    node = cluster.nodes["n1"]
+    assert node.memory_bandwidth_gbps == 0.0
+
+    def beat(machine: float, core: float) -> protocol.Heartbeat:
+        return protocol.Heartbeat(
+            node_id="n1",
+            memory_total_mb=4096,
+            memory_available_mb=2048,
+            cpu_count=2,
+            memory_bandwidth_gbps=machine,
+            core_bandwidth_gbps=core,
+        )
+
+    cluster.heartbeat(beat(31.5, 20.0))
+    assert (node.memory_bandwidth_gbps, node.core_bandwidth_gbps) == (31.5, 20.0)
+    cluster.heartbeat(beat(0.0, 0.0))  # a beat without figures keeps the last ones
+    assert (node.memory_bandwidth_gbps, node.core_bandwidth_gbps) == (31.5, 20.0)

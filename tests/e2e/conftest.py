@@ -51,7 +51,9 @@ class Up:
     def __init__(self, data_dir: Path, args: list[str]) -> None:
         self.data_dir = data_dir
         self.output = data_dir.parent / f"{data_dir.name}.log"
-        base = random.randrange(30000, 60000, 100)
+        # Below the kernel's ephemeral range (32768 and up on Linux by
+        # default), so no outgoing connection can be holding an engine's port.
+        base = random.randrange(22000, 32000, 100)
         self.engine_ports = (base, base + 99)
         command = up_argv(data_dir, "--engine-ports", f"{base}-{base + 99}", *args)
         self._log_file = self.output.open("wb")

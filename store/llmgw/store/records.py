@@ -343,6 +343,7 @@ class ModelRecord:
         context_tokens: int = 4096,
         slots: int = 4,
         cpu_cores: int = 0,
+        min_memory_gb: float = 0.0,
         args: Iterable[str] = (),
         env: Mapping[str, str] | None = None,
         **fields: Any,
@@ -355,6 +356,7 @@ class ModelRecord:
             context_tokens=context_tokens,
             slots=slots,
             cpu_cores=cpu_cores,
+            min_memory_gb=min_memory_gb,
             args=tuple(args),
             env=dict(env or {}),
         )
