@@ -238,16 +238,21 @@ class _DataDirLock:
         os.close(self._fd)
 
 
+#: The ``owner`` of the catalog entries ``llmgw up`` makes from its flags.
+UP_OWNER: Final = "llmgw up"
+
+
 async def _set_catalog(store: Store, models: list[ModelRecord], say: Say) -> None:
-    """Make the catalog hold exactly the models this start serves: ``up``
-    serves what it was asked for, nothing left from earlier starts."""
+    """Make the catalog hold the models this start was asked for: those an
+    earlier start made from its flags and this one was not asked for are
+    removed; models added with ``llmgw ctl model add`` stay."""
     names = {m.name for m in models}
     for other in await store.list_models():
-        if other.name not in names:
+        if other.name not in names and other.owner == UP_OWNER:
             await store.delete_model(other.name)
             say(f"model {other.name} from an earlier start removed from the catalog")
     for model in models:
-        await store.put_model(model)
+        await store.put_model(attrs.evolve(model, owner=UP_OWNER))
 
 
 #: A second signal this soon after the first is the same Ctrl-C delivered

@@ -506,14 +506,21 @@ def test_a_second_up_on_the_same_data_dir_or_ports_fails_clearly_and_changes_not
     assert [r["replica_id"] for r in status["replicas"]] == [f"{MODEL}-0"]
 
 
-def test_up_serves_only_the_model_it_was_asked_for(start_up: Any) -> None:
+def test_up_serves_the_model_it_was_asked_for_and_keeps_those_added_with_ctl(
+    start_up: Any,
+) -> None:
     first = start_up("--engine", "sim", "--model-name", "first-model")
     first.wait_ready()
+    added = first.cli(
+        "ctl", "model", "add", "added-model", "--engine", "sim", "--min-memory-gb", "0.1"
+    )
+    assert added.returncode == 0, added.stderr
     first.stop()
     second = start_up("--engine", "sim", "--model-name", "second-model")
     second.wait_ready()
-    assert _status(second)["models"] == ["second-model"]
+    assert sorted(_status(second)["models"]) == ["added-model", "second-model"]
     assert "first-model from an earlier start removed" in second.log()
+    assert "added-model from an earlier start" not in second.log()
 
 
 def test_an_engine_port_held_by_another_process_is_never_used(start_up: Any) -> None:
