@@ -33,6 +33,16 @@ from typing import Any, Final, TypeGuard
 
 import orjson
 
+from .chat_stream import (
+    DONE,
+    ChatChunkReader,
+    ChatStreamTranslator,
+    TextKind,
+    answer_choice,
+    engine_error,
+    first_choice,
+    reasoning_text,
+)
 from .errors import bad_request
 from .sse import Usage, usage_from
 
@@ -51,9 +61,6 @@ __all__ = [
     "stop_reason",
     "tool_input",
 ]
-
-#: What :meth:`ChatChunkReader.feed` yields for ``data: [DONE]``.
-DONE: Final = "[DONE]"
 
 _CHAT_TOOL_CHOICE: Final = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -444,14 +451,6 @@ def _usage_doc(usage: Usage | None) -> dict[str, int]:
     }
 
 
-def _reasoning(message: dict[str, Any]) -> str:
-    for name in ("reasoning_content", "reasoning"):
-        text = message.get(name)
-        if isinstance(text, str) and text:
-            return text
-    return ""
-
-
 def tool_input(arguments: Any) -> dict[str, Any]:
     """A tool call's ``arguments`` (JSON text) as a ``tool_use`` ``input`` object.
 
@@ -488,13 +487,9 @@ def chat_to_message(
         model: the model name to report (the one the client asked for).
         message_id: the id to use; a new ``msg_…`` when None.
     """
-    choices = chat.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
-    choice = choice if isinstance(choice, dict) else {}
-    message = choice.get("message")
-    message = message if isinstance(message, dict) else {}
+    choice, message = answer_choice(chat)
     content: list[dict[str, Any]] = []
-    reasoning = _reasoning(message)
+    reasoning = reasoning_text(message)
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     text = message.get("content")
@@ -589,99 +584,22 @@ def _event(name: str, doc: dict[str, Any]) -> bytes:
 # -- streaming --------------------------------------------------------------------------
 
 
-class ChatChunkReader:
-    """Splits an OpenAI SSE byte stream into its parsed ``data:`` documents.
-
-    Bytes may arrive cut anywhere; ``\\r\\n`` line ends are accepted.
-    Comments, ``event:`` lines and data that is not JSON are skipped.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, data: bytes) -> list[Any]:
-        """The documents completed by ``data``: parsed JSON values, and
-        :data:`DONE` (the string ``"[DONE]"``) for ``data: [DONE]``."""
-        buffer = self._buffer + data if self._buffer else data
-        if b"\r" in buffer:
-            # A lone trailing \r may be half of a \r\n still to come.
-            tail = buffer.endswith(b"\r")
-            buffer = buffer.replace(b"\r\n", b"\n")
-            if tail:
-                buffer, end = buffer[:-1], b"\r"
-            else:
-                end = b""
-        else:
-            end = b""
-        cut = buffer.rfind(b"\n\n")
-        if cut < 0:
-            self._buffer = buffer + end
-            return []
-        complete, self._buffer = buffer[:cut], buffer[cut + 2 :] + end
-        return [doc for event in complete.split(b"\n\n") if (doc := _parse(event)) is not None]
-
-    def close(self) -> list[Any]:
-        """The documents in a last event the stream did not end with a blank line."""
-        rest, self._buffer = self._buffer, b""
-        doc = _parse(rest.replace(b"\r\n", b"\n").rstrip(b"\r\n"))
-        return [] if doc is None else [doc]
-
-
-def _parse(event: bytes) -> Any:
-    data = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
-    if not data:
-        return None
-    payload = b"\n".join(data)
-    if payload == b"[DONE]":
-        return DONE
-    try:
-        return orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return None
-
-
-def engine_error(doc: Any) -> str | None:
-    """The message of an error an engine sent in its stream (vLLM's
-    ``{"error": {...}}`` or ``{"object": "error", "message"}``), else None."""
-    if not isinstance(doc, dict):
-        return None
-    error = doc.get("error")
-    if isinstance(error, dict):
-        message = error.get("message")
-        return message if isinstance(message, str) else "the engine failed"
-    if isinstance(error, str):
-        return error
-    if doc.get("object") == "error":
-        message = doc.get("message")
-        return message if isinstance(message, str) else "the engine failed"
-    return None
-
-
-def first_choice(doc: dict[str, Any]) -> dict[str, Any] | None:
-    """Choice 0 of a chunk (Anthropic and Responses have no ``n``), or None."""
-    choices = doc.get("choices")
-    if not isinstance(choices, list):
-        return None
-    for choice in choices:
-        if isinstance(choice, dict) and choice.get("index", 0) == 0:
-            return choice
-    return None
-
-
-class MessagesStream:
+class MessagesStream(ChatStreamTranslator[int]):
     """Translates an engine's OpenAI chat stream into Anthropic's events.
 
-    Sans-IO: :meth:`feed` takes the engine's SSE bytes (cut anywhere) and
-    returns Anthropic SSE bytes (``event: X\\ndata: {json}\\n\\n``, every
-    event in hand joined, possibly empty), in Anthropic's order:
-    ``message_start``; per block ``content_block_start``,
-    ``content_block_delta`` (``thinking_delta``, ``text_delta``,
-    ``input_json_delta``), ``content_block_stop``; then at ``[DONE]``
-    ``message_delta`` (``stop_reason``, ``stop_sequence``, final ``usage``)
-    and ``message_stop``. A change of kind (reasoning → text → tool call)
-    closes the open block and opens the next; each tool call index gets
-    its own ``tool_use`` block (a call's first delta should carry its
-    ``function.name``; a missing id gets a new ``toolu_…``).
+    Sans-IO (see :class:`~llmgw.gateway.chat_stream.ChatStreamTranslator`,
+    whose attributes it has): :meth:`feed` takes the engine's SSE bytes
+    (cut anywhere) and returns Anthropic SSE bytes (``event: X\\ndata:
+    {json}\\n\\n``, every event in hand joined, possibly empty), in
+    Anthropic's order: ``message_start`` (:meth:`start`); per block
+    ``content_block_start``, ``content_block_delta`` (``thinking_delta``,
+    ``text_delta``, ``input_json_delta``), ``content_block_stop``; then at
+    ``[DONE]`` (or :meth:`finish`) ``message_delta`` (``stop_reason``,
+    ``stop_sequence``, final ``usage``) and ``message_stop``. A change of
+    kind (reasoning → text → tool call) closes the open block and opens the
+    next; each tool call index gets its own ``tool_use`` block (a call's
+    first delta should carry its ``function.name``; a missing id gets a new
+    ``toolu_…``). A stream the engine broke off ends with ``end_turn``.
 
     ``message_start`` reports ``input_tokens`` as the estimate given (the
     engine's count only comes at the end); ``message_delta`` reports the
@@ -694,88 +612,16 @@ class MessagesStream:
         model: the model name to report.
         message_id: the message id (:func:`new_message_id`).
         input_tokens: the prompt estimate for ``message_start``.
-
-    Attributes:
-        usage: the engine's last OpenAI usage, or None (for accounting).
-        content_chunks: chunks that carried reasoning, text or tool call
-            deltas (the output count when the engine sends no usage).
-        saw_first_content: a first such delta arrived (for TTFT).
-        done: the stream is complete; further bytes are ignored.
-        finish_reason: the engine's OpenAI ``finish_reason``, once sent
-            (still None at :meth:`finish` means the engine broke off).
-        engine_error: the message of an error the engine sent, or None.
     """
 
     def __init__(self, model: str, message_id: str, *, input_tokens: int = 0) -> None:
+        super().__init__()
         self.model = model
         self.message_id = message_id
         self.input_tokens = input_tokens
-        self.usage: Usage | None = None
-        self.content_chunks = 0
-        self.saw_first_content = False
-        self.done = False
-        self.finish_reason: str | None = None
-        self.engine_error: str | None = None
-        self._reader = ChatChunkReader()
-        self._started = False
-        self._stop_string: str | None = None
         self._next_index = 0
-        self._open: str | None = None  # "thinking", "text" or "tool"
+        self._open: str | None = None  # "reasoning", "text" or "tool"
         self._open_index = 0
-        self._tools: dict[int, tuple[int, str]] = {}  # OpenAI index → (block index, id)
-
-    def start(self) -> bytes:
-        """``message_start`` if not yet sent (:meth:`feed` sends it first
-        anyway; call this to send it before the engine's first byte)."""
-        if self._started or self.done:
-            return b""
-        self._started = True
-        return _event(
-            "message_start",
-            {
-                "type": "message_start",
-                "message": {
-                    "id": self.message_id,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": self.model,
-                    "content": [],
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
-                },
-            },
-        )
-
-    def feed(self, data: bytes) -> bytes:
-        """Take engine bytes; return the Anthropic events they complete."""
-        if self.done:
-            return b""
-        out = [self.start()]
-        for doc in self._reader.feed(data):
-            self._on_doc(doc, out)
-            if self.done:
-                break
-        return b"".join(out)
-
-    def finish(self) -> bytes:
-        """Close the stream when the engine's bytes end: a last event left
-        without its blank line is read, open blocks are closed and
-        ``message_delta`` + ``message_stop`` sent. ``b""`` when already done.
-
-        A stream the engine broke off (no ``finish_reason`` seen) still ends
-        well-formed with ``end_turn``; a caller that wants to say it broke
-        can send :meth:`error_event` instead of calling this.
-        """
-        if self.done:
-            return b""
-        out = [self.start()]
-        for doc in self._reader.close():
-            self._on_doc(doc, out)
-            if self.done:
-                return b"".join(out)
-        self._end(out)
-        return b"".join(out)
 
     def error_event(self, type: str, message: str) -> bytes:
         """An ``event: error`` frame (see :func:`error_event`); marks the stream done."""
@@ -784,48 +630,28 @@ class MessagesStream:
 
     # -- internals
 
-    def _on_doc(self, doc: Any, out: list[bytes]) -> None:
-        if doc == DONE:
-            self._end(out)
-            return
-        if not isinstance(doc, dict):
-            return
-        error = engine_error(doc)
-        if error is not None and not doc.get("choices"):
-            self.engine_error = error
-            out.append(self.error_event("api_error", error))
-            return
-        if doc.get("usage"):
-            self.usage = usage_from(doc)
-        choice = first_choice(doc)
-        if choice is None:
-            return
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and self._on_delta(delta, out):
-            self.content_chunks += 1
-            self.saw_first_content = True
-        finish = choice.get("finish_reason")
-        if isinstance(finish, str) and finish:
-            self.finish_reason = finish
-            stop = choice.get("stop_reason")
-            self._stop_string = stop if isinstance(stop, str) else None
+    def _start_events(self, out: list[bytes]) -> None:
+        out.append(
+            _event(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": self.message_id,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": self.model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+                    },
+                },
+            )
+        )
 
-    def _on_delta(self, delta: dict[str, Any], out: list[bytes]) -> bool:
-        got = False
-        reasoning = _reasoning(delta)
-        if reasoning:
-            self._text("thinking", reasoning, out)
-            got = True
-        content = delta.get("content")
-        if isinstance(content, str) and content:
-            self._text("text", content, out)
-            got = True
-        calls = delta.get("tool_calls")
-        if isinstance(calls, list):
-            for call in calls:
-                if isinstance(call, dict) and self._tool(call, out):
-                    got = True
-        return got
+    def _engine_failed(self, message: str) -> bytes:
+        return self.error_event("api_error", message)
 
     def _open_block(self, kind: str, block: dict[str, Any], out: list[bytes]) -> int:
         self._close(out)
@@ -857,7 +683,7 @@ class MessagesStream:
             )
         )
 
-    def _text(self, kind: str, text: str, out: list[bytes]) -> None:
+    def _text(self, kind: TextKind, text: str, out: list[bytes]) -> None:
         if self._open != kind:
             if kind == "text":
                 block: dict[str, Any] = {"type": "text", "text": ""}
@@ -869,40 +695,20 @@ class MessagesStream:
         else:
             self._delta(self._open_index, {"type": "thinking_delta", "thinking": text}, out)
 
-    def _tool(self, call: dict[str, Any], out: list[bytes]) -> bool:
-        number = call.get("index", 0)
-        number = number if _is_int(number) else 0
-        ident = call.get("id")
-        function = call.get("function")
-        function = function if isinstance(function, dict) else {}
-        arguments = function.get("arguments")
-        known = self._tools.get(number)
-        started = False
-        if known is None or (isinstance(ident, str) and ident and ident != known[1]):
-            name = function.get("name")
-            ident = ident if isinstance(ident, str) and ident else _tool_id()
-            block = {
-                "type": "tool_use",
-                "id": ident,
-                "name": name if isinstance(name, str) else "",
-                "input": {},
-            }
-            index = self._open_block("tool", block, out)
-            self._tools[number] = (index, ident)
-            started = True
-        else:
-            # Pieces for a call whose block another block already closed
-            # (engines that interleave calls) still go to its index.
-            index = known[0]
-        if isinstance(arguments, str) and arguments:
-            self._delta(index, {"type": "input_json_delta", "partial_json": arguments}, out)
-            return True
-        return started
+    def _new_call_id(self) -> str:
+        return _tool_id()
+
+    def _call_start(self, call_id: str, name: str, out: list[bytes]) -> int:
+        block = {"type": "tool_use", "id": call_id, "name": name, "input": {}}
+        return self._open_block("tool", block, out)
+
+    def _call_arguments(self, call: int, arguments: str, out: list[bytes]) -> None:
+        self._delta(call, {"type": "input_json_delta", "partial_json": arguments}, out)
 
     def _end(self, out: list[bytes]) -> None:
         self._close(out)
         reason = stop_reason(
-            self.finish_reason, tool_use=bool(self._tools), stop_string=self._stop_string
+            self.finish_reason, tool_use=bool(self._calls), stop_string=self._stop_string
         )
         if self.usage is not None:
             usage = _usage_doc(self.usage)
@@ -922,4 +728,3 @@ class MessagesStream:
             )
         )
         out.append(_event("message_stop", {"type": "message_stop"}))
-        self.done = True

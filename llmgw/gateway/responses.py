@@ -31,7 +31,7 @@ from typing import Any, Final, TypeGuard
 
 import orjson
 
-from .anthropic import DONE, ChatChunkReader, engine_error, first_choice
+from .chat_stream import ChatStreamTranslator, TextKind, answer_choice, reasoning_text
 from .errors import bad_request
 from .sse import Usage, usage_from
 
@@ -397,26 +397,33 @@ def _skeleton(
     }
 
 
-def _reasoning_text(message: dict[str, Any]) -> str:
-    for name in ("reasoning_content", "reasoning"):
-        text = message.get(name)
-        if isinstance(text, str) and text:
-            return text
-    return ""
-
-
 def _reasoning_item(text: str, item_id: str, status: str) -> dict[str, Any]:
     return {
         "id": item_id,
         "type": "reasoning",
         "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
+        "content": [_text_part("reasoning", text)],
         "status": status,
     }
 
 
 def _output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _text_part(kind: str, text: str) -> dict[str, Any]:
+    """The content part of a ``reasoning`` or ``message`` item."""
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return _output_text(text)
+
+
+def _text_events(kind: str) -> tuple[str, dict[str, Any]]:
+    """The stem of a ``reasoning`` or ``message`` item's text events
+    (``….delta``, ``….done``) and what else they carry."""
+    if kind == "reasoning":
+        return "response.reasoning_text", {}
+    return "response.output_text", {"logprobs": []}
 
 
 def _message_item(text: str | None, item_id: str, status: str) -> dict[str, Any]:
@@ -468,15 +475,11 @@ def chat_to_response(
             tool_choice, temperature, instructions, …) are echoed.
         created_at: Unix seconds; the engine's ``created`` or now when None.
     """
-    choices = chat.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices else {}
-    choice = choice if isinstance(choice, dict) else {}
-    message = choice.get("message")
-    message = message if isinstance(message, dict) else {}
+    choice, message = answer_choice(chat)
     status, details = _status(choice.get("finish_reason"))
     item_status = "incomplete" if status == "incomplete" else "completed"
     output: list[dict[str, Any]] = []
-    reasoning = _reasoning_text(message)
+    reasoning = reasoning_text(message)
     calls = [call for call in message.get("tool_calls") or () if isinstance(call, dict)]
     text = message.get("content")
     if reasoning:
@@ -540,40 +543,34 @@ class _Item:
         return _call_item(self.id, self.call_id, self.name, self.text, status)
 
 
-class ResponsesStream:
+class ResponsesStream(ChatStreamTranslator[_Item]):
     """Translates an engine's OpenAI chat stream into Responses events.
 
-    Sans-IO: :meth:`feed` takes the engine's SSE bytes (cut anywhere) and
-    returns SSE bytes (``event: <type>\\ndata: {json}\\n\\n``, each event
-    with its ``sequence_number`` from 0), every event in hand joined:
+    Sans-IO (see :class:`~llmgw.gateway.chat_stream.ChatStreamTranslator`,
+    whose attributes it has): :meth:`feed` takes the engine's SSE bytes
+    (cut anywhere) and returns SSE bytes (``event: <type>\\ndata:
+    {json}\\n\\n``, each event with its ``sequence_number`` from 0), every
+    event in hand joined:
 
-    ``response.created``, ``response.in_progress``; per output item
-    ``response.output_item.added``, then for a message
+    ``response.created``, ``response.in_progress`` (:meth:`start`); per
+    output item ``response.output_item.added``, then for a message
     ``response.content_part.added``, ``response.output_text.delta``…,
     ``response.output_text.done``, ``response.content_part.done``; for
     reasoning the same with ``response.reasoning_text.delta``/``.done``; for
     a function call ``response.function_call_arguments.delta``…/``.done``;
-    then ``response.output_item.done``. At ``[DONE]``: open items are closed
-    and ``response.completed`` (or ``response.incomplete`` when the engine
-    stopped at ``length``/``content_filter``) carries the whole response
-    with its usage. An error the engine sends mid-stream ends it with
-    ``response.failed``. Only choice 0 is read.
+    then ``response.output_item.done``. At ``[DONE]`` (or :meth:`finish`):
+    open items are closed and ``response.completed`` (or
+    ``response.incomplete`` when the engine stopped at
+    ``length``/``content_filter``) carries the whole response with its
+    usage; a stream the engine broke off still ends with
+    ``response.completed``. An error the engine sends mid-stream ends it
+    with ``response.failed``. Only choice 0 is read.
 
     Args:
         model: the model name to report.
         response_id: the id (:func:`new_response_id`).
         request: the client's request, whose settings are echoed.
         created_at: Unix seconds; now when None.
-
-    Attributes:
-        usage: the engine's last OpenAI usage, or None (for accounting).
-        content_chunks: chunks that carried reasoning, text or tool call
-            deltas (the output count when the engine sends no usage).
-        saw_first_content: a first such delta arrived (for TTFT).
-        done: the stream is complete; further bytes are ignored.
-        finish_reason: the engine's ``finish_reason`` once sent (None at
-            :meth:`finish` means it broke off).
-        engine_error: the message of an error the engine sent, or None.
     """
 
     def __init__(
@@ -584,59 +581,14 @@ class ResponsesStream:
         request: dict[str, Any] | None = None,
         created_at: int | None = None,
     ) -> None:
+        super().__init__()
         self.model = model
         self.response_id = response_id
-        self.usage: Usage | None = None
-        self.content_chunks = 0
-        self.saw_first_content = False
-        self.done = False
-        self.finish_reason: str | None = None
-        self.engine_error: str | None = None
         when = int(time.time()) if created_at is None else created_at
         self._response = _skeleton(response_id, model, when, request)
-        self._reader = ChatChunkReader()
         self._sequence = 0
-        self._started = False
         self._items: list[_Item] = []
         self._open: _Item | None = None
-        self._calls: dict[int, _Item] = {}  # OpenAI tool call index → its item
-
-    def start(self) -> bytes:
-        """``response.created`` and ``response.in_progress`` if not yet sent
-        (:meth:`feed` sends them first anyway)."""
-        if self._started or self.done:
-            return b""
-        self._started = True
-        out: list[bytes] = []
-        for kind in ("response.created", "response.in_progress"):
-            self._emit(out, kind, response=self._response)
-        return b"".join(out)
-
-    def feed(self, data: bytes) -> bytes:
-        """Take engine bytes; return the Responses events they complete."""
-        if self.done:
-            return b""
-        out = [self.start()]
-        for doc in self._reader.feed(data):
-            self._on_doc(doc, out)
-            if self.done:
-                break
-        return b"".join(out)
-
-    def finish(self) -> bytes:
-        """Close the stream when the engine's bytes end (a last event without
-        its blank line is read); ``b""`` when already done. A stream the
-        engine broke off still ends with ``response.completed``; call
-        :meth:`error_event` instead to say it failed."""
-        if self.done:
-            return b""
-        out = [self.start()]
-        for doc in self._reader.close():
-            self._on_doc(doc, out)
-            if self.done:
-                return b"".join(out)
-        self._end(out)
-        return b"".join(out)
 
     def error_event(self, message: str, code: str = "server_error") -> bytes:
         """``response.failed`` with ``error {code, message}`` and the output
@@ -667,46 +619,12 @@ class ResponsesStream:
             return response_usage(self.usage)
         return response_usage(Usage(completion_tokens=self.content_chunks))
 
-    def _on_doc(self, doc: Any, out: list[bytes]) -> None:
-        if doc == DONE:
-            self._end(out)
-            return
-        if not isinstance(doc, dict):
-            return
-        error = engine_error(doc)
-        if error is not None and not doc.get("choices"):
-            self.engine_error = error
-            out.append(self.error_event(error))
-            return
-        if doc.get("usage"):
-            self.usage = usage_from(doc)
-        choice = first_choice(doc)
-        if choice is None:
-            return
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and self._on_delta(delta, out):
-            self.content_chunks += 1
-            self.saw_first_content = True
-        finish = choice.get("finish_reason")
-        if isinstance(finish, str) and finish:
-            self.finish_reason = finish
+    def _start_events(self, out: list[bytes]) -> None:
+        for kind in ("response.created", "response.in_progress"):
+            self._emit(out, kind, response=self._response)
 
-    def _on_delta(self, delta: dict[str, Any], out: list[bytes]) -> bool:
-        got = False
-        reasoning = _reasoning_text(delta)
-        if reasoning:
-            self._text("reasoning", reasoning, out)
-            got = True
-        content = delta.get("content")
-        if isinstance(content, str) and content:
-            self._text("message", content, out)
-            got = True
-        calls = delta.get("tool_calls")
-        if isinstance(calls, list):
-            for call in calls:
-                if isinstance(call, dict) and self._call(call, out):
-                    got = True
-        return got
+    def _engine_failed(self, message: str) -> bytes:
+        return self.error_event(message)
 
     def _add(self, kind: str, prefix: str, out: list[bytes]) -> _Item:
         self._close(out, "completed")
@@ -715,16 +633,12 @@ class ResponsesStream:
         self._open = item
         return item
 
-    def _text(self, kind: str, text: str, out: list[bytes]) -> None:
+    def _text(self, kind: TextKind, text: str, out: list[bytes]) -> None:
+        item_kind = "reasoning" if kind == "reasoning" else "message"
         item = self._open
-        if item is None or item.kind != kind:
-            item = self._add(kind, "rs" if kind == "reasoning" else "msg", out)
+        if item is None or item.kind != item_kind:
+            item = self._add(item_kind, "rs" if kind == "reasoning" else "msg", out)
             added = {**item.doc("in_progress"), "content": []}
-            part: dict[str, Any]
-            if kind == "reasoning":
-                part = {"type": "reasoning_text", "text": ""}
-            else:
-                part = _output_text("")
             self._emit(
                 out, "response.output_item.added", output_index=item.output_index, item=added
             )
@@ -734,64 +648,43 @@ class ResponsesStream:
                 item_id=item.id,
                 output_index=item.output_index,
                 content_index=0,
-                part=part,
+                part=_text_part(item_kind, ""),
             )
         item.text += text
-        if kind == "reasoning":
-            self._emit(
-                out,
-                "response.reasoning_text.delta",
-                item_id=item.id,
-                output_index=item.output_index,
-                content_index=0,
-                delta=text,
-            )
-        else:
-            self._emit(
-                out,
-                "response.output_text.delta",
-                item_id=item.id,
-                output_index=item.output_index,
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
+        stem, extra = _text_events(item_kind)
+        self._emit(
+            out,
+            f"{stem}.delta",
+            item_id=item.id,
+            output_index=item.output_index,
+            content_index=0,
+            delta=text,
+            **extra,
+        )
 
-    def _call(self, call: dict[str, Any], out: list[bytes]) -> bool:
-        number = call.get("index", 0)
-        number = number if _is_int(number) else 0
-        ident = call.get("id")
-        function = call.get("function")
-        function = function if isinstance(function, dict) else {}
-        arguments = function.get("arguments")
-        item = self._calls.get(number)
-        started = False
-        if item is None or (isinstance(ident, str) and ident and ident != item.call_id):
-            item = self._add("function_call", "fc", out)
-            name = function.get("name")
-            item.call_id = ident if isinstance(ident, str) and ident else _new_id("call")
-            item.name = name if isinstance(name, str) else ""
-            self._calls[number] = item
-            self._emit(
-                out,
-                "response.output_item.added",
-                output_index=item.output_index,
-                item=item.doc("in_progress"),
-            )
-            started = True
-        if isinstance(arguments, str) and arguments:
-            # Pieces for a call another item already closed (engines that
-            # interleave calls) still go to its item.
-            item.text += arguments
-            self._emit(
-                out,
-                "response.function_call_arguments.delta",
-                item_id=item.id,
-                output_index=item.output_index,
-                delta=arguments,
-            )
-            return True
-        return started
+    def _new_call_id(self) -> str:
+        return _new_id("call")
+
+    def _call_start(self, call_id: str, name: str, out: list[bytes]) -> _Item:
+        item = self._add("function_call", "fc", out)
+        item.call_id, item.name = call_id, name
+        self._emit(
+            out,
+            "response.output_item.added",
+            output_index=item.output_index,
+            item=item.doc("in_progress"),
+        )
+        return item
+
+    def _call_arguments(self, call: _Item, arguments: str, out: list[bytes]) -> None:
+        call.text += arguments
+        self._emit(
+            out,
+            "response.function_call_arguments.delta",
+            item_id=call.id,
+            output_index=call.output_index,
+            delta=arguments,
+        )
 
     def _close(self, out: list[bytes], status: str) -> None:
         item, self._open = self._open, None
@@ -799,40 +692,23 @@ class ResponsesStream:
             return
         item.status = status
         common = {"item_id": item.id, "output_index": item.output_index}
-        if item.kind == "message":
-            self._emit(
-                out,
-                "response.output_text.done",
-                **common,
-                content_index=0,
-                text=item.text,
-                logprobs=[],
-            )
-            self._emit(
-                out,
-                "response.content_part.done",
-                **common,
-                content_index=0,
-                part=_output_text(item.text),
-            )
-        elif item.kind == "reasoning":
-            self._emit(
-                out, "response.reasoning_text.done", **common, content_index=0, text=item.text
-            )
-            self._emit(
-                out,
-                "response.content_part.done",
-                **common,
-                content_index=0,
-                part={"type": "reasoning_text", "text": item.text},
-            )
-        else:
+        if item.kind == "function_call":
             self._emit(
                 out,
                 "response.function_call_arguments.done",
                 **common,
                 name=item.name,
                 arguments=item.text,
+            )
+        else:
+            stem, extra = _text_events(item.kind)
+            self._emit(out, f"{stem}.done", **common, content_index=0, text=item.text, **extra)
+            self._emit(
+                out,
+                "response.content_part.done",
+                **common,
+                content_index=0,
+                part=_text_part(item.kind, item.text),
             )
         self._emit(
             out,
@@ -854,4 +730,3 @@ class ResponsesStream:
         }
         kind = "response.completed" if status == "completed" else "response.incomplete"
         self._emit(out, kind, response=response)
-        self.done = True
