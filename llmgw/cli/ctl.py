@@ -749,6 +749,12 @@ def config_set(key: str, value: str, note: str, data_dir: Path, as_json: bool) -
         parsed = yaml.safe_load(value)
     except yaml.YAMLError as exc:
         raise click.BadParameter(f"not YAML: {exc}", param_hint="VALUE") from None
+    try:
+        json.dumps(parsed, allow_nan=False)
+    except ValueError:
+        raise click.BadParameter(
+            "not a finite value (NaN and infinity are refused)", param_hint="VALUE"
+        ) from None
     body: dict[str, Any] = {"key": key, "value": parsed}
     if note:
         body["note"] = note

@@ -106,6 +106,22 @@ async def _handle(request: trio_websocket.WebSocketRequest, token: str, cluster:
                 if isinstance(first, protocol.Register):
                     break
                 await send(protocol.Error(message="the first message must be Register"))
+        existing = cluster.nodes.get(first.node_id)
+        if existing is not None and existing.connected and existing.send is not None:
+            # Another agent holds this node's link: two agents for one node
+            # would start engines twice and take each other's node down.
+            log.warning(
+                "agent link for node %s refused: that node is connected already", first.node_id
+            )
+            await send(
+                protocol.Error(
+                    message=f"node {first.node_id!r} is connected through another agent already; "
+                    "give this agent its own --node-id"
+                )
+            )
+            with trio.move_on_after(1):
+                await ws.aclose(1008, "node id in use")
+            return
         node_id = first.node_id
         cluster.node_registered(first, send)
         log.info(
@@ -156,7 +172,9 @@ async def _handle(request: trio_websocket.WebSocketRequest, token: str, cluster:
             # does not take it for a broken link.
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 await ws.aclose(1001, "control plane stopping")
-        if node_id:
+        node = cluster.nodes.get(node_id) if node_id else None
+        if node is not None and node.send is send:
+            # Only this link's own node: a later link of the same node stays.
             cluster.node_disconnected(node_id)
 
 

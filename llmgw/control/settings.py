@@ -23,6 +23,7 @@ Durations are numbers of seconds or strings like ``45s``, ``30m``, ``12h``,
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -74,6 +75,8 @@ def parse_duration_s(value: object) -> float:
         seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
     else:
         raise ValueError(f"{value!r} is not a duration like 45s, 30m, 12h or 90d")
+    if not math.isfinite(seconds):
+        raise ValueError(f"{value!r} is not a finite duration")
     if seconds < 0:
         raise ValueError(f"{value!r} is negative")
     return seconds
@@ -81,6 +84,16 @@ def parse_duration_s(value: object) -> float:
 
 def _duration_field(default: float | None) -> Any:
     return attrs.field(default=default, converter=attrs.converters.optional(parse_duration_s))
+
+
+def _scoring_profile(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value not in ("chat", "batch", "long-context"):
+        raise ValueError(f"{attribute.name}: {value!r} is not chat, batch or long-context")
+
+
+def _longer_than_zero(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:  # also refuses NaN
+        raise ValueError(f"{attribute.name} must be longer than 0 s")
 
 
 def _positive(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -150,8 +163,18 @@ DEFAULT_BANDS: Final = (
 class AdmissionSettings:
     """``router.admission``: the bands; a key with no band is in ``default_band``."""
 
-    bands: tuple[BandSettings, ...] = DEFAULT_BANDS
+    bands: tuple[BandSettings, ...] = attrs.field(default=DEFAULT_BANDS)
+    #: A band no longer defined (bands replaced by others) falls back to the
+    #: band of highest priority, as a key's unknown band does.
     default_band: str = "interactive"
+
+    @bands.validator
+    def _check_bands(self, _: attrs.Attribute[Any], bands: tuple[BandSettings, ...]) -> None:
+        if not bands:
+            raise ValueError("bands: at least one band is needed")
+        names = [band.name for band in bands]
+        if len(set(names)) != len(names):
+            raise ValueError(f"bands: two bands share a name ({', '.join(names)})")
 
 
 @attrs.frozen(kw_only=True)
@@ -170,9 +193,9 @@ class CacheSettings:
 class TimeoutSettings:
     """``router.timeouts``, seconds (our choices, ``routing.md``)."""
 
-    connect: float = _duration_field(5.0)
-    first_byte: float = _duration_field(600.0)
-    generation: float = _duration_field(600.0)
+    connect: float = attrs.field(default=5.0, validator=_longer_than_zero)
+    first_byte: float = attrs.field(default=600.0, validator=_longer_than_zero)
+    generation: float = attrs.field(default=600.0, validator=_longer_than_zero)
 
 
 @attrs.frozen(kw_only=True)
@@ -183,7 +206,7 @@ class RouterSettings:
     admission: AdmissionSettings = attrs.field(factory=AdmissionSettings)
     cache: CacheSettings = attrs.field(factory=CacheSettings)
     timeouts: TimeoutSettings = attrs.field(factory=TimeoutSettings)
-    scoring: str = "chat"
+    scoring: str = attrs.field(default="chat", validator=_scoring_profile)
 
 
 @attrs.frozen(kw_only=True)

@@ -230,6 +230,7 @@ class Gateway:
         self._names_of: object = None
         settings = cluster.settings
         self._bands_of: object = settings.router.admission
+        self._timeouts_of: object = settings.router.timeouts
         #: Read at start by the control plane; followed from here on.
         self._auth_of: object = settings.auth
         self._admission = Admission(_bands(settings.router.admission.bands))
@@ -347,9 +348,16 @@ class Gateway:
                 self._accountant.default_rpm = auth.default_rpm
                 self._accountant.default_tpm = auth.default_tpm
         router = settings.router
+        if router.timeouts is not self._timeouts_of:
+            self._timeouts_of = router.timeouts
+            for pool in self._pools.values():
+                pool.connect_timeout_s = router.timeouts.connect
         if router.admission is not self._bands_of:
             self._bands_of = router.admission
-            self._admission.set_bands(_bands(router.admission.bands))
+            try:
+                self._admission.set_bands(_bands(router.admission.bands))
+            except ValueError as exc:  # the settings' own checks should stop this first
+                log.error("admission bands not applied, keeping the last ones: %s", exc)
         if router.cache is not self._cache_settings:
             self._cache_settings = router.cache
             self._cache.clear()
@@ -443,6 +451,11 @@ class Gateway:
             self._finish(call, exc.status, None)
         finally:
             metrics.IN_FLIGHT.dec()
+            if call.key is not None and not call.recorded:
+                # Cut by the stop's grace (a cancellation, possibly inside an
+                # exception group): what was generated is still charged and
+                # recorded.
+                self._finish(call, 503, call.usage)
 
     def _check(self, doc: dict[str, Any], model: ModelRecord, kind: str) -> None:
         """The model-dependent checks (``shared/spec/gateway-api.md``, pipeline step 3)."""
@@ -463,6 +476,12 @@ class Gateway:
                     f"'{asked}' is {value}, above the {limit} tokens '{model.name}' may answer.",
                     param=asked,
                 )
+        if doc.get("tools") and _without_jinja(model):
+            raise bad_request(
+                f"'{model.name}' runs on llama.cpp without Jinja templates (--no-jinja), "
+                "which cannot take tools; ask for a model whose profile runs with --jinja.",
+                param="tools",
+            )
         n = doc.get("n")
         if n is not None and n != 1:
             engine = "external" if model.external is not None else _engine_of(model)
@@ -805,6 +824,24 @@ class Gateway:
                 status = 502
                 data = _error(502, "The replica refused the gateway; retry.", code="upstream_error")
                 content_type = _JSON
+            elif status in (401, 403):
+                # The provider refused the key llmgw holds, and no other key
+                # was left to try (outside-providers.md: the 401 goes back).
+                # Said so the caller does not take it for their own key.
+                endpoint.breaker.failure(time.monotonic(), status=429)
+                log.error("external_key_refused: %s answered %d", endpoint.label, status)
+                message = (
+                    f"The outside provider of '{call.model}' refused the key llmgw holds for it "
+                    f"({endpoint.label}); your own key is fine. Tell the administrator."
+                )
+                data = (
+                    anthropic.error_body(status, message)
+                    if call.kind == "messages"
+                    else ApiError(
+                        status, message, type="upstream_auth_error", code="external_key_refused"
+                    ).body()
+                )
+                content_type = _JSON
             else:
                 data = _openai_error(status, data)
                 if call.kind == "messages":
@@ -936,6 +973,7 @@ class Gateway:
         headers = [
             (b"x-request-id", call.request_id.encode()),
             (b"x-llmgw-cache", b"hit"),
+            (b"x-llmgw-replica", b"cache"),
             (b"age", str(hit.age_s(time.time())).encode()),
             (b"x-llmgw-overhead-ms", b"%.3f" % ((time.perf_counter() - call.started) * 1000)),
             *call.headers,
@@ -1159,6 +1197,18 @@ def _engine_of(model: ModelRecord) -> str:
     return profile.engine if profile is not None else ""
 
 
+def _without_jinja(model: ModelRecord) -> bool:
+    """The model's profile runs llama.cpp with ``--no-jinja``: llama.cpp then
+    answers any request with tools 500 "tools param requires --jinja flag"."""
+    profile = model.profile
+    return (
+        profile is not None
+        and profile.engine == "llamacpp"
+        and "--no-jinja" in profile.args
+        and "--jinja" not in profile.args
+    )
+
+
 def _capacity(endpoints: list[Endpoint], model: ModelRecord) -> int:
     """The model's slots across its ready replicas (0 = not known: unbounded)."""
     if not endpoints:
@@ -1175,11 +1225,12 @@ def _capacity(endpoints: list[Endpoint], model: ModelRecord) -> int:
 
 
 def _retryable(endpoint: Endpoint, status: int) -> bool:
-    """An answer worth another endpoint: the engine failed or is loading
-    (5xx but 501, which another replica of the model would answer alike),
-    or an outside key is at its limit or refused."""
+    """An answer worth another endpoint: the engine is unreachable behind a
+    proxy, overloaded or loading (502, 503, 504), or an outside key is at
+    its limit or refused. A 500 or 501 is the engine answering this request
+    badly; another replica of the model would answer it alike."""
     if status >= 500:
-        return status != 501
+        return status not in (500, 501)
     return endpoint.external and status in (401, 403, 429)
 
 

@@ -214,6 +214,16 @@ class UpstreamPool:
     def tls(self) -> bool:
         return self._ssl_context is not None
 
+    @property
+    def connect_timeout_s(self) -> float | None:
+        """The deadline for dialing a new connection, seconds; settable (live
+        settings change it for the pool's next connection)."""
+        return self._connect_timeout_s
+
+    @connect_timeout_s.setter
+    def connect_timeout_s(self, value: float | None) -> None:
+        self._connect_timeout_s = value
+
     def statistics(self) -> dict[str, int]:
         return {"idle": len(self._idle), "opened": self.connections_opened}
 

@@ -59,11 +59,13 @@ class BreakerState(enum.Enum):
 
 def counts_as_failure(status: int) -> bool:
     """Whether an HTTP answer with ``status`` counts against the breaker:
-    429 and every 5xx but 501 (the engine does not do what was asked, e.g.
-    embeddings from a chat-only llama.cpp: the request's fault, not the
-    replica's, so no client can trip a breaker with it). Connect errors and
-    timeouts count too; they have no status."""
-    return status == 429 or (status >= 500 and status != 501)
+    429 and the 5xx that say the endpoint cannot serve (502, 503, 504, and
+    any other but 500 and 501). A 500 or 501 is an engine that answered,
+    failing this request (llama.cpp answers 500 to "tools without --jinja",
+    501 to embeddings it does not serve): the request's fault, not the
+    replica's, so no client can trip a breaker by repeating it. Connect
+    errors and timeouts count too; they have no status."""
+    return status == 429 or (status >= 500 and status not in (500, 501))
 
 
 class Breaker:

@@ -47,6 +47,32 @@ async def test_an_agent_that_registers_is_in_the_cluster_until_it_disconnects() 
             nursery.cancel_scope.cancel()
 
 
+# trio-websocket leaves the client socket of a link the server closed to the
+# garbage collector (as in the oversized-frame test below).
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_second_agent_for_a_connected_node_is_refused_and_the_first_stays() -> None:
+    cluster = Cluster()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            url = await _hub(nursery, cluster)
+            async with trio_websocket.open_websocket_url(url, extra_headers=_auth()) as first:
+                await first.send_message(protocol.encode(REGISTER))
+                assert isinstance(protocol.decode(await first.get_message()), protocol.Registered)
+                async with trio_websocket.open_websocket_url(url, extra_headers=_auth()) as second:
+                    await second.send_message(protocol.encode(REGISTER))
+                    reply = protocol.decode(await second.get_message())
+                    assert isinstance(reply, protocol.Error)
+                    assert "connected through another agent" in reply.message
+                    with pytest.raises(trio_websocket.ConnectionClosed):
+                        await second.get_message()
+                # The refused link's end leaves the node to the first agent.
+                await trio.sleep(0.2)
+                assert cluster.nodes["node-a"].connected
+                assert cluster.nodes["node-a"].send is not None
+            nursery.cancel_scope.cancel()
+
+
 async def test_unknown_and_malformed_frames_are_answered_with_an_error_and_the_link_stays() -> None:
     cluster = Cluster()
     with trio.fail_after(10):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,3 +91,33 @@ def test_a_band_that_may_fill_more_than_every_slot_is_refused() -> None:
         settings_from_doc(
             {"router": {"admission": {"bands": [{"name": "x", "priority": 1, "saturation": 2}]}}}
         )
+
+
+def test_no_bands_or_two_of_one_name_are_refused() -> None:
+    with pytest.raises(SettingsError, match="at least one band"):
+        settings_from_doc({"router": {"admission": {"bands": []}}})
+    with pytest.raises(SettingsError, match="share a name"):
+        settings_from_doc(
+            {
+                "router": {
+                    "admission": {
+                        "bands": [{"name": "a", "priority": 1}, {"name": "a", "priority": 2}],
+                        "default_band": "a",
+                    }
+                }
+            }
+        )
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        ({"router": {"timeouts": {"connect": 0}}}, "connect must be longer than 0 s"),
+        ({"router": {"timeouts": {"first_byte": "0s"}}}, "first_byte must be longer than 0 s"),
+        ({"router": {"scoring": "nonsense"}}, "'nonsense' is not chat, batch or long-context"),
+        ({"on_demand": {"evict_after_idle": float("nan")}}, "not a finite duration"),
+    ],
+)
+def test_settings_that_would_break_routing_are_refused(doc: dict[str, Any], says: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(says)):
+        settings_from_doc(doc)

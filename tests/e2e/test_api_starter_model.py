@@ -161,3 +161,22 @@ def test_anthropic_messages_streamed_and_not(up: Any, claude: anthropic.Anthropi
     assert row["endpoint"] == "messages"
     assert row["completion_tokens"] == usage.output_tokens
     assert row["prompt_tokens"] == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+def test_tools_are_refused_clearly_while_the_starter_runs_without_jinja(
+    up: Any, client: openai.OpenAI
+) -> None:
+    # llama.cpp itself answers 500 "tools param requires --jinja flag"; the
+    # gateway says why, as a 400 naming the field, and trips no breaker.
+    tools: list[Any] = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, tools=tools
+        )
+    assert "--no-jinja" in str(caught.value)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert answer.choices[0].message.content is not None

@@ -431,8 +431,12 @@ def test_an_outside_key_refused_401_is_skipped_and_named_only_by_its_endpoint(
     # With its only key refused, the 401 goes back to the client.
     only = _post(up, http, "/v1/chat/completions", {**body, "model": "extonly"})
     assert only.status_code == 401, only.text
+    # Said so the caller does not take it for their own key being wrong.
+    assert only.json()["error"]["code"] == "external_key_refused"
+    assert "your own key is fine" in only.json()["error"]["message"]
     log = up.log()[log_before:]
     assert "external_key_refused: external:ext401#1" in log, log
+    assert "external_key_refused: external:extonly#1" in log, log
     assert REFUSED_KEY not in log
 
 

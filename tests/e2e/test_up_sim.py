@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import threading
 import time
@@ -586,6 +587,13 @@ def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_event_not_a_torn
     assert "stopping" in str(caught.value)
     up.process.wait(timeout=30)
     assert up.process.returncode == 0
+    # The cut answer is still recorded and charged for what was generated.
+    with sqlite3.connect(up.data_dir / "llmgw.db") as db:
+        rows = db.execute("SELECT status, completion_tokens FROM usage").fetchall()
+    assert len(rows) == 1
+    status, completion_tokens = rows[0]
+    assert status == 503
+    assert completion_tokens > 0
 
 
 def test_n_is_carried_to_an_engine_that_answers_n_choices_and_bad_n_is_refused(

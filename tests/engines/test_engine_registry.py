@@ -49,12 +49,25 @@ def test_llamacpp_refuses_forbidden_flags_with_their_reason(
     args: list[str], flag: str, reason: str
 ) -> None:
     with pytest.raises(ValueError, match=rf"llamacpp argument {flag}\b.*{reason}"):
-        check_args("llamacpp", ["--ctx-size", "4096", *args])
+        check_args("llamacpp", ["--flash-attn", "on", *args])
 
 
 def test_llamacpp_takes_no_abbreviations_so_similar_flags_pass() -> None:
-    check_args("llamacpp", ["--chat-template", "chatml", "--ctx-size", "8192", "--jinja"])
+    check_args("llamacpp", ["--chat-template", "chatml", "--ctx-size-draft", "8192", "--jinja"])
     check_args("llamacpp", ["--hf-rep", "x", "-ngl", "-1", "--cache-ram", "0"])
+
+
+@pytest.mark.parametrize("flag", ["-c", "--ctx-size", "-np", "--parallel", "-t", "--threads"])
+def test_llamacpp_flags_the_profile_sets_are_refused_so_its_figures_hold(flag: str) -> None:
+    with pytest.raises(ValueError, match="set by the profile"):
+        check_args("llamacpp", [f"{flag}=8"])
+
+
+def test_the_sim_refuses_where_it_listens_and_what_it_serves_even_abbreviated() -> None:
+    for args in (["--host", "0.0.0.0"], ["--port=9999"], ["--mod", "x"]):
+        with pytest.raises(ValueError, match="set by the agent"):
+            check_args("sim", args)
+    check_args("sim", ["--slots", "4", "--tokens-per-second", "50", "--refuse-key", "K=429"])
 
 
 def test_argparse_engines_also_refuse_prefixes_of_forbidden_flags() -> None:

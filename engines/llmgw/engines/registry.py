@@ -91,6 +91,28 @@ _LLAMACPP = {
     "--logdir": LOGS_PROMPTS,
 }
 
+#: Set from the profile's own fields, so the catalog's figures (context
+#: per slot, reservations) stay true.
+SET_BY_THE_PROFILE = "is set by the profile (context_tokens, slots, cpu_cores)"
+
+_LLAMACPP.update(
+    {
+        "-c": SET_BY_THE_PROFILE,
+        "--ctx-size": SET_BY_THE_PROFILE,
+        "-np": SET_BY_THE_PROFILE,
+        "--parallel": SET_BY_THE_PROFILE,
+        "-t": SET_BY_THE_PROFILE,
+        "--threads": SET_BY_THE_PROFILE,
+    }
+)
+
+#: The sim engine's: where it listens and what it answers to.
+_SIM = {
+    "--host": SET_BY_THE_AGENT,
+    "--port": SET_BY_THE_AGENT,
+    "--model": SET_BY_THE_AGENT,
+}
+
 _VLLM = {
     "--load-format": LOADS_A_FILE,
     "--download-dir": DOWNLOADS_A_MODEL,
@@ -98,10 +120,10 @@ _VLLM = {
 }
 
 #: Engine -> refused flags (besides :data:`_EVERYWHERE`).
-_REFUSED_FLAGS: dict[str, dict[str, str]] = {"llamacpp": _LLAMACPP, "vllm": _VLLM}
+_REFUSED_FLAGS: dict[str, dict[str, str]] = {"llamacpp": _LLAMACPP, "vllm": _VLLM, "sim": _SIM}
 
 #: Engines whose flags go through argparse, which takes unambiguous prefixes.
-_ARGPARSE_ENGINES = frozenset({"vllm", "sglang", "comfyui", "strata", "freetoken"})
+_ARGPARSE_ENGINES = frozenset({"vllm", "sglang", "comfyui", "strata", "freetoken", "sim"})
 
 #: The shortest flag prefix (dashes included) refused for argparse engines.
 _MIN_PREFIX = 4
