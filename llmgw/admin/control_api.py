@@ -37,7 +37,8 @@ Models (``<name>`` is a model's name; ``GET`` also takes an alias):
 - ``GET /api/v1/models`` → ``{"data": [view]}``; ``GET /api/v1/models/<name>``
   → one view plus ``"shards"``. A view is ``{"name", "entry" (the catalog
   entry as stored), "engine", "external", "on_demand", "stopped",
-  "replicas": {"wanted", "ready", "starting", "failed"}}``; ``wanted`` is
+  "replicas": {"wanted", "ready", "starting", "failed"}, "waiting":
+  {replica id: why it is not placed}}``; ``wanted`` is
   what the reconciler aims at now (0 while the model or the whole system is
   stopped, or for an idle on-demand model);
 - ``POST /api/v1/models`` (the entry form, 201; 409 if the name is taken),
@@ -67,6 +68,7 @@ move its replicas away), ``/uncordon`` (clears both); these edit
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -205,7 +207,18 @@ def model_view(model: ModelRecord, cluster: Cluster) -> dict[str, Any]:
         "on_demand": model.on_demand,
         "stopped": model.stopped,
         "replicas": replica_counts(model, cluster),
+        # Replicas the reconciler could not place, and why (with figures).
+        "waiting": {
+            replica_id: reason
+            for replica_id, reason in sorted(cluster.waiting.items())
+            if _REPLICA_OF.match(replica_id[len(model.name) :])
+            and replica_id.startswith(model.name)
+        },
     }
+
+
+#: What follows a model's name in its replica ids: ``-<n>`` or ``-<n>.g<k>``.
+_REPLICA_OF = re.compile(r"^-\d+(\.g\d+)?$")
 
 
 def _shard_view(shard: ShardInfo, cluster: Cluster, *, with_key: bool = False) -> dict[str, Any]:

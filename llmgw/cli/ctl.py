@@ -135,6 +135,9 @@ def _print_models(views: list[dict[str, Any]], system_stopped: bool) -> None:
     click.echo(
         format_table(["MODEL", "ENGINE", "STATE", "READY", "STARTING", "FAILED", "ALIASES"], rows)
     )
+    for view in views:
+        for replica_id, reason in view.get("waiting", {}).items():
+            click.echo(f"{replica_id} not placed: {reason}")
 
 
 @ctl.command("models")

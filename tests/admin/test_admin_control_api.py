@@ -576,3 +576,20 @@ async def test_a_change_to_a_setting_read_at_start_says_it_needs_a_restart(admin
     assert body["changed"] is True
     assert "restart_needed" not in body  # the gateway follows it live
     assert admin.cluster.settings.auth.default_rpm == 1000
+
+
+async def test_a_model_shows_why_its_replicas_wait_and_only_its_own(admin: Admin) -> None:
+    await admin.store.put_model(ModelRecord.simple("m", "sim", replicas=2))
+    await admin.store.put_model(ModelRecord.simple("m-big", "sim", replicas=1))
+    admin.cluster.waiting = {
+        "m-1": "needs 9.0 GB host memory; 2.0 GB of 16.0 GB free after 1 replica",
+        "m-big-0": "needs 4 cores",
+        "m-0.g2": "successor waits for room",
+    }
+    _, view = await admin.call("GET", "/api/v1/models/m")
+    assert view["waiting"] == {
+        "m-0.g2": "successor waits for room",
+        "m-1": "needs 9.0 GB host memory; 2.0 GB of 16.0 GB free after 1 replica",
+    }
+    _, big = await admin.call("GET", "/api/v1/models/m-big")
+    assert big["waiting"] == {"m-big-0": "needs 4 cores"}
