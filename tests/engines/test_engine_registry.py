@@ -43,6 +43,10 @@ def test_flags_are_normalised_before_matching() -> None:
         (["--logdir", "/tmp"], "--logdir", "logs prompts"),
         (["--trust-remote-code"], "--trust-remote-code", "runs code"),
         (["--api-key", "k"], "--api-key", "is a credential"),
+        (["--path", "/"], "--path", "serves files"),
+        (["--slot-save-path=/"], "--slot-save-path", "writes files"),
+        (["--log-file", "x"], "--log-file", "writes files"),
+        (["--rpc", "1.2.3.4:5"], "--rpc", "sends work to other hosts"),
     ],
 )
 def test_llamacpp_refuses_forbidden_flags_with_their_reason(

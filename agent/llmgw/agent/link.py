@@ -197,7 +197,6 @@ class _Session:
         while True:
             frame = await self._ws.get_message()
             self._last_heard = trio.current_time()
-            self._mark_heard()
             try:
                 message = protocol.decode(frame)
             except protocol.UnknownMessage as exc:
@@ -208,6 +207,11 @@ class _Session:
                 log.warning("bad frame from control plane: %s", exc)
                 await self.send(Error(message=str(exc)))
                 continue
+            if isinstance(message, Registered):
+                # Only an accepted registration resets the back-off: a control
+                # plane refusing this agent (its node is connected through
+                # another) must not be asked again several times a second.
+                self._mark_heard()
             nursery.start_soon(self._obey, message)
 
     async def _obey(self, message: Message) -> None:

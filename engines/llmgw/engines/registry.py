@@ -47,6 +47,8 @@ SET_BY_THE_AGENT = "is set by the agent"
 WRITES_FILES = "writes files"
 LOGS_PROMPTS = "logs prompts"
 RUNS_REMOTE_CODE = "runs code from a model repository"
+SERVES_FILES = "serves files from the node"
+SENDS_THE_MODEL_AWAY = "sends work to other hosts"
 
 #: Refused everywhere.
 _EVERYWHERE = {"--trust-remote-code": RUNS_REMOTE_CODE}
@@ -88,7 +90,11 @@ _LLAMACPP = {
     "--model-vocoder": LOADS_A_FILE,
     "-mv": LOADS_A_FILE,
     "--prompt-cache": WRITES_FILES,
+    "--slot-save-path": WRITES_FILES,
+    "--log-file": WRITES_FILES,
     "--logdir": LOGS_PROMPTS,
+    "--path": SERVES_FILES,
+    "--rpc": SENDS_THE_MODEL_AWAY,
 }
 
 #: Set from the profile's own fields, so the catalog's figures (context

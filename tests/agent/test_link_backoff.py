@@ -1,0 +1,88 @@
+"""The agent's link backs off when the control plane refuses it."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import trio
+import trio_websocket
+
+from llmgw.agent import protocol
+from llmgw.agent.link import AgentHandlers, serve_link
+from llmgw.control.cluster import Cluster
+from llmgw.control.hub import serve_agent_hub
+
+TOKEN = "t0ken"
+REGISTER = protocol.Register(
+    node_id="node-a",
+    address="127.0.0.1",
+    agent_version="test",
+    hardware=protocol.Hardware(cpu_count=2, memory_total_mb=1024),
+)
+
+
+def _handlers() -> AgentHandlers:
+    async def register() -> protocol.Register:
+        return REGISTER
+
+    async def heartbeat() -> protocol.Heartbeat:
+        return protocol.Heartbeat(
+            node_id="node-a", memory_total_mb=1024, memory_available_mb=512, cpu_count=2
+        )
+
+    async def start_shard(_: protocol.StartShard) -> None:
+        return None
+
+    async def stop_shard(_: str) -> None:
+        return None
+
+    _, receive = trio.open_memory_channel[protocol.ShardStatus](1)
+    return AgentHandlers(
+        register=register,
+        heartbeat=heartbeat,
+        start_shard=start_shard,
+        stop_shard=stop_shard,
+        logs=lambda _source, _lines: [],
+        status_events=receive,
+    )
+
+
+# trio-websocket leaves the client socket of a link the server closed to the
+# garbage collector.
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_an_agent_refused_for_a_node_already_connected_backs_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cluster = Cluster()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        await _refused_agent(cluster)
+        gc.collect()  # the refused links' sockets, left to the collector
+    refusals = [r for r in caplog.records if "that node is connected already" in r.getMessage()]
+    # Back-off from 0.5 s, doubling, jittered: at most 4 tries in 3 s (without
+    # it the agent tried about 8 times).
+    assert 1 <= len(refusals) <= 4
+
+
+async def _refused_agent(cluster: Cluster) -> None:
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_agent_hub, "127.0.0.1", 0, TOKEN, cluster)
+            url = f"ws://127.0.0.1:{port}/agent"
+            headers = [(b"authorization", f"Bearer {TOKEN}".encode())]
+            async with trio_websocket.open_websocket_url(url, extra_headers=headers) as holder:
+                await holder.send_message(protocol.encode(REGISTER))
+                assert isinstance(protocol.decode(await holder.get_message()), protocol.Registered)
+                # A second agent for the same node, refused on every try.
+                original = cluster.nodes["node-a"]
+                with trio.move_on_after(3.0):
+                    async with trio.open_nursery() as agents:
+                        agents.start_soon(serve_link, url, TOKEN, _handlers())
+                        while True:
+                            await cluster.changed.wait()
+                assert cluster.nodes["node-a"] is original
+                assert original.connected
+            nursery.cancel_scope.cancel()
