@@ -29,7 +29,7 @@ cannot check or take them.
 from __future__ import annotations
 
 import secrets
-from typing import Any, Final, TypeGuard
+from typing import Any, Final
 
 import orjson
 
@@ -45,6 +45,14 @@ from .chat_stream import (
 )
 from .errors import bad_request
 from .sse import Usage, usage_from
+from .translate import (
+    chat_tool,
+    copy_sampling,
+    copy_stream,
+    is_int,
+    request_model,
+    tool_objects,
+)
 
 __all__ = [
     "DONE",
@@ -104,13 +112,9 @@ def request_to_chat(doc: dict[str, Any]) -> dict[str, Any]:
         ApiError: 400 ``invalid_request_error`` naming the bad field (its
             path, e.g. ``messages.2.content.0.type``, is the ``param``).
     """
-    if not isinstance(doc, dict):
-        raise bad_request("The request body must be a JSON object.")
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a non-empty string.", "model")
+    model = request_model(doc)
     max_tokens = doc.get("max_tokens")
-    if not _is_int(max_tokens) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise bad_request("'max_tokens' is required and must be an integer ≥ 1.", "max_tokens")
 
     messages: list[dict[str, Any]] = []
@@ -132,24 +136,13 @@ def request_to_chat(doc: dict[str, Any]) -> dict[str, Any]:
             )
         if stop:
             chat["stop"] = list(stop)
-    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = doc.get(name)
-        if value is None:
-            continue
-        if not _is_number(value) or not low <= value <= high:
-            raise bad_request(f"'{name}' must be a number from {low:g} to {high:g}.", name)
-        chat[name] = value
+    copy_sampling(doc, chat)
     top_k = doc.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k) or top_k < 0:
+        if not is_int(top_k) or top_k < 0:
             raise bad_request("'top_k' must be a non-negative integer.", "top_k")
         chat["top_k"] = top_k
-    stream = doc.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean.", "stream")
-    if stream:
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
+    copy_stream(doc, chat)
     tools = _tools(doc.get("tools"))
     if tools:
         chat["tools"] = tools
@@ -170,14 +163,6 @@ def request_to_chat(doc: dict[str, Any]) -> dict[str, Any]:
                 raise bad_request("'metadata.user_id' must be a string.", "metadata.user_id")
             chat["user"] = user
     return chat
-
-
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _block_type(block: Any, where: str) -> str:
@@ -361,15 +346,8 @@ def _user(content: list[Any], where: str) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list.", "tools")
     out = []
-    for index, tool in enumerate(tools):
-        at = f"tools.{index}"
-        if not isinstance(tool, dict):
-            raise bad_request(f"'{at}' must be an object.", at)
+    for at, tool in tool_objects(tools):
         kind = tool.get("type")
         if kind not in (None, "custom"):
             raise bad_request(
@@ -377,21 +355,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
                 "(name, description, input_schema).",
                 f"{at}.type",
             )
-        name, description = tool.get("name"), tool.get("description")
-        schema = tool.get("input_schema")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"'{at}.name' must be a non-empty string.", f"{at}.name")
-        if description is not None and not isinstance(description, str):
-            raise bad_request(f"'{at}.description' must be a string.", f"{at}.description")
-        if not isinstance(schema, dict):
-            raise bad_request(f"'{at}.input_schema' must be an object.", f"{at}.input_schema")
-        function: dict[str, Any] = {"name": name}
-        if description:
-            function["description"] = description
-        function["parameters"] = schema
-        if isinstance(tool.get("strict"), bool):
-            function["strict"] = tool["strict"]
-        out.append({"type": "function", "function": function})
+        out.append(chat_tool(tool, at, "input_schema", default=None))
     return out
 
 

@@ -27,13 +27,21 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Final, TypeGuard
+from typing import Any, Final
 
 import orjson
 
 from .chat_stream import ChatStreamTranslator, TextKind, answer_choice, reasoning_text
 from .errors import bad_request
 from .sse import Usage, usage_from
+from .translate import (
+    chat_tool,
+    copy_sampling,
+    copy_stream,
+    is_int,
+    request_model,
+    tool_objects,
+)
 
 __all__ = [
     "ResponsesStream",
@@ -50,6 +58,8 @@ _ROLES: Final = {
     "developer": "system",
 }
 _TOOL_CHOICES: Final = ("auto", "none", "required")
+#: A function tool's ``parameters`` when the request gives none.
+_NO_PARAMETERS: Final = {"type": "object"}
 
 
 def new_response_id() -> str:
@@ -59,14 +69,6 @@ def new_response_id() -> str:
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
-
-
-def _is_int(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 # -- the request ------------------------------------------------------------------------
@@ -97,11 +99,7 @@ def request_to_chat(doc: dict[str, Any]) -> dict[str, Any]:
             ``input.3.content.0.type``); ``previous_response_id`` is refused
             (nothing is stored), as are tools other than functions.
     """
-    if not isinstance(doc, dict):
-        raise bad_request("The request body must be a JSON object.")
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a non-empty string.", "model")
+    model = request_model(doc)
     if doc.get("previous_response_id") is not None:
         raise bad_request(
             "'previous_response_id' is not supported: responses are not stored; "
@@ -129,22 +127,11 @@ def request_to_chat(doc: dict[str, Any]) -> dict[str, Any]:
     chat: dict[str, Any] = {"model": model, "messages": messages}
     max_tokens = doc.get("max_output_tokens")
     if max_tokens is not None:
-        if not _is_int(max_tokens) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise bad_request("'max_output_tokens' must be an integer ≥ 1.", "max_output_tokens")
         chat["max_tokens"] = max_tokens
-    for name, high in (("temperature", 2.0), ("top_p", 1.0)):
-        value = doc.get(name)
-        if value is None:
-            continue
-        if not _is_number(value) or not 0 <= value <= high:
-            raise bad_request(f"'{name}' must be a number from 0 to {high:g}.", name)
-        chat[name] = value
-    stream = doc.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean.", "stream")
-    if stream:
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
+    copy_sampling(doc, chat)
+    copy_stream(doc, chat)
     tools = _tools(doc.get("tools"))
     if tools:
         chat["tools"] = tools
@@ -264,35 +251,14 @@ def _item(item: Any, where: str, messages: list[dict[str, Any]]) -> None:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list.", "tools")
     out = []
-    for index, tool in enumerate(tools):
-        at = f"tools.{index}"
-        if not isinstance(tool, dict):
-            raise bad_request(f"'{at}' must be an object.", at)
+    for at, tool in tool_objects(tools):
         if tool.get("type") != "function":
             raise bad_request(
                 f"'{at}': tools of type {tool.get('type')!r} are not supported; only 'function'.",
                 f"{at}.type",
             )
-        name, description = tool.get("name"), tool.get("description")
-        parameters = tool.get("parameters")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"'{at}.name' must be a non-empty string.", f"{at}.name")
-        if description is not None and not isinstance(description, str):
-            raise bad_request(f"'{at}.description' must be a string.", f"{at}.description")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise bad_request(f"'{at}.parameters' must be an object.", f"{at}.parameters")
-        function: dict[str, Any] = {"name": name}
-        if description:
-            function["description"] = description
-        function["parameters"] = parameters if parameters is not None else {"type": "object"}
-        if isinstance(tool.get("strict"), bool):
-            function["strict"] = tool["strict"]
-        out.append({"type": "function", "function": function})
+        out.append(chat_tool(tool, at, "parameters", default=_NO_PARAMETERS))
     return out
 
 
@@ -507,7 +473,7 @@ def chat_to_response(
         )
     if created_at is None:
         created = chat.get("created")
-        created_at = created if _is_int(created) else int(time.time())
+        created_at = created if is_int(created) else int(time.time())
     doc = _skeleton(response_id or new_response_id(), model, created_at, request)
     doc.update(
         status=status,

@@ -4,7 +4,8 @@ record what they are sent and answer with ``ShardStatus``."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -165,48 +166,74 @@ def _model(replicas: int = 1, **fields: Any) -> ModelRecord:
     return ModelRecord.simple(MODEL, "sim", replicas=replicas, **fields)
 
 
-async def _start(nursery: trio.Nursery, store: FakeStore, cluster: Cluster) -> None:
-    await nursery.start(serve_reconciler, store, cluster, PORTS)
-
-
 def _cluster(**settings: object) -> Cluster:
     cluster = Cluster(clock=trio.current_time)
     cluster.settings = ServerSettings(**settings)  # type: ignore[arg-type]
     return cluster
 
 
+@attrs.define
+class Rig:
+    """A cluster, its catalog and a nursery for the fake nodes and the reconciler."""
+
+    cluster: Cluster
+    store: FakeStore
+    nursery: trio.Nursery
+
+    def node(
+        self, node_id: str = "a", running: Iterable[protocol.RunningShard] = (), **options: Any
+    ) -> FakeNode:
+        """A :class:`FakeNode` (``options`` its keywords), registered with ``running``."""
+        node = FakeNode(self.cluster, self.nursery, node_id, **options)
+        node.register(running)
+        return node
+
+    def put(self, model: ModelRecord) -> None:
+        """Change the catalog (and wake the reconciler)."""
+        self.store.put(self.cluster, model)
+
+    async def start(self) -> None:
+        """Start the reconciler."""
+        await self.nursery.start(serve_reconciler, self.store, self.cluster, PORTS)
+
+
+@asynccontextmanager
+async def _rig(cluster: Cluster, *models: ModelRecord) -> AsyncIterator[Rig]:
+    """A :class:`Rig` over ``cluster`` and a catalog of ``models``; all it
+    runs is cancelled when the block ends."""
+    async with trio.open_nursery() as nursery:
+        yield Rig(cluster, FakeStore(*models), nursery)
+        nursery.cancel_scope.cancel()
+
+
 async def test_scaling_1_3_1_leaves_what_was_asked_and_frees_the_ports(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster()
-    store = FakeStore(_model(1))
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a")
-        node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(1)) as rig:
+        node = rig.node("a")
+        await rig.start()
         await _until(lambda: _ready(cluster) == ["m-0"])
-        store.put(cluster, _model(3))
+        rig.put(_model(3))
         await _until(lambda: _ready(cluster) == ["m-0", "m-1", "m-2"])
         ports = {s.port for s in cluster.shards.values()}
         assert ports == {20000, 20001, 20002}
-        store.put(cluster, _model(1))
+        rig.put(_model(1))
         await _until(lambda: list(cluster.shards) == ["m-0"])
         assert _ready(cluster) == ["m-0"]
         assert node.stops() == ["m-2", "m-1"]  # the highest first
         assert set(node.running) == {"m-0"}
         # The freed ports are offered again.
-        store.put(cluster, _model(3))
+        rig.put(_model(3))
         await _until(lambda: len(_ready(cluster)) == 3)
         assert {s.port for s in cluster.shards.values()} == ports
         assert node.starts() == ["m-0", "m-1", "m-2", "m-1", "m-2"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_changed_profile_rolls_one_replica_at_a_time_successor_ready_first(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster()
-    store = FakeStore(_model(2))
     fewest_ready: list[int] = []
 
     async def watch() -> None:
@@ -215,14 +242,13 @@ async def test_a_changed_profile_rolls_one_replica_at_a_time_successor_ready_fir
             fewest_ready.append(len(cluster.ready_endpoints(MODEL)))
             await changed.wait()
 
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a", ready_after_s=5.0)
-        node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(2)) as rig:
+        node = rig.node("a", ready_after_s=5.0)
+        await rig.start()
         await _until(lambda: _ready(cluster) == ["m-0", "m-1"])
-        nursery.start_soon(watch)
+        rig.nursery.start_soon(watch)
         changed = _model(2, args=("--tokens-per-second", "50"))
-        store.put(cluster, changed)
+        rig.put(changed)
         await _until(lambda: _ready(cluster) == ["m-0.g2", "m-1.g2"] and len(cluster.shards) == 2)
         assert min(fewest_ready) == 2
         at = {(e.kind, e.shard_id): e.at for e in node.events}
@@ -236,7 +262,6 @@ async def test_a_changed_profile_rolls_one_replica_at_a_time_successor_ready_fir
         starts = [m for m in node.sent if isinstance(m, protocol.StartShard)]
         assert starts[-1].fingerprint == fingerprint
         assert starts[-1].profile.args == ("--tokens-per-second", "50")
-        nursery.cancel_scope.cancel()
 
 
 async def test_after_a_control_plane_restart_running_replicas_are_adopted_not_restarted(
@@ -257,12 +282,10 @@ async def test_after_a_control_plane_restart_running_replicas_are_adopted_not_re
         for i in range(2)
     ]
     cluster = _cluster()  # a fresh control plane
-    store = FakeStore(model)
-    async with trio.open_nursery() as nursery:
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, model) as rig:
+        await rig.start()
         await trio.sleep(3)  # the catalog is read; no node yet
-        node = FakeNode(cluster, nursery, "a")
-        node.register(running)
+        node = rig.node("a", running)
         await trio.sleep(30)
         assert node.sent == []
         assert _ready(cluster) == ["m-0", "m-1"]
@@ -275,10 +298,9 @@ async def test_after_a_control_plane_restart_running_replicas_are_adopted_not_re
         )
         assert shard.profile == "default"
         # A port an adopted replica holds is not given to a new one.
-        store.put(cluster, _model(3))
+        rig.put(_model(3))
         await _until(lambda: len(_ready(cluster)) == 3)
         assert cluster.shards["m-2"].port == 20000
-        nursery.cancel_scope.cancel()
 
 
 async def test_an_adopted_replica_with_another_fingerprint_is_stale_and_rolled(
@@ -287,10 +309,9 @@ async def test_an_adopted_replica_with_another_fingerprint_is_stale_and_rolled(
     model = _model(1)
     cluster = _cluster()
     cluster.models = {MODEL: model}
-    store = FakeStore(model)
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a")
-        node.register(
+    async with _rig(cluster, model) as rig:
+        node = rig.node(
+            "a",
             [
                 protocol.RunningShard(
                     shard_id="m-0",
@@ -300,26 +321,23 @@ async def test_an_adopted_replica_with_another_fingerprint_is_stale_and_rolled(
                     port=20000,
                     fingerprint="0123456789abcdef",
                 )
-            ]
+            ],
         )
         assert cluster.shards["m-0"].stale
-        await _start(nursery, store, cluster)
+        await rig.start()
         await _until(lambda: list(cluster.shards) == ["m-0.g2"])
         assert node.starts() == ["m-0.g2"]
         assert node.stops() == ["m-0"]
         assert _ready(cluster) == ["m-0.g2"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_an_on_demand_model_loads_when_asked_and_is_evicted_when_idle(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster(on_demand=OnDemandSettings(evict_after_idle=120, min_lifetime=30))
-    store = FakeStore(_model(1, on_demand=True))
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a", ready_after_s=10.0)
-        node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(1, on_demand=True)) as rig:
+        node = rig.node("a", ready_after_s=10.0)
+        await rig.start()
         await trio.sleep(60)
         assert node.sent == []
         asked = trio.current_time()
@@ -342,25 +360,21 @@ async def test_an_on_demand_model_loads_when_asked_and_is_evicted_when_idle(
         with trio.fail_after(30):
             await cluster.wait_ready(MODEL)
         assert node.starts() == ["m-0", "m-0"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_fresh_on_demand_replica_lives_at_least_min_lifetime(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster(on_demand=OnDemandSettings(evict_after_idle=10, min_lifetime=300))
-    store = FakeStore(_model(1, on_demand=True))
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a")
-        node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(1, on_demand=True)) as rig:
+        node = rig.node("a")
+        await rig.start()
         with trio.fail_after(30):
             await cluster.wait_ready(MODEL)
         ready_at = cluster.shards["m-0"].ready_at
         assert ready_at is not None
         stopped = await _until(lambda: node.stops() == ["m-0"], within_s=400)
         assert stopped - ready_at == pytest.approx(300.0, abs=1.5)
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_start_without_progress_for_the_timeout_is_stopped_and_failed(
@@ -368,11 +382,9 @@ async def test_a_start_without_progress_for_the_timeout_is_stopped_and_failed(
 ) -> None:
     model = ModelRecord(name=MODEL, profiles=(Profile(engine="sim", startup_timeout_s=30.0),))
     cluster = _cluster()
-    store = FakeStore(model)
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a", ready_after_s=None)
-        node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, model) as rig:
+        node = rig.node("a", ready_after_s=None)
+        await rig.start()
         started = await _until(lambda: node.starts() == ["m-0"])
         await trio.sleep(20)
         node.report("m-0", ShardState.STARTING, progress="downloading 10 of 20 GB")
@@ -387,14 +399,12 @@ async def test_a_start_without_progress_for_the_timeout_is_stopped_and_failed(
         restarted = await _until(lambda: node.starts() == ["m-0", "m-0"])
         assert restarted - failed == pytest.approx(1.0, abs=0.2)
         assert cluster.shards["m-0"].restarts == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_crash_loop_backs_off_1_2_4_8_s_and_never_shows_starting_between(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster()
-    store = FakeStore(_model(1))
     states: list[ShardState] = []
 
     async def watch() -> None:
@@ -407,12 +417,11 @@ async def test_a_crash_loop_backs_off_1_2_4_8_s_and_never_shows_starting_between
                 states.append(shard.state)
             await trio.sleep(0.1)
 
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a")
+    async with _rig(cluster, _model(1)) as rig:
+        node = rig.node("a")
         node.fail_with = ("loading model", "error: out of memory", "")
-        node.register()
-        nursery.start_soon(watch)
-        await _start(nursery, store, cluster)
+        rig.nursery.start_soon(watch)
+        await rig.start()
         await _until(lambda: len(node.starts()) == 6, within_s=120)
         times = [e.at for e in node.events if e.kind == "start"]
         gaps = [b - a for a, b in itertools.pairwise(times)]
@@ -425,21 +434,17 @@ async def test_a_crash_loop_backs_off_1_2_4_8_s_and_never_shows_starting_between
         assert len(states) > 100
         assert set(states) == {ShardState.FAILED}
         assert [restart_delay_s(n) for n in (1, 2, 7, 8)] == [1.0, 2.0, 60.0, 60.0]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_draining_node_has_its_replica_moved_successor_ready_first(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster()
-    store = FakeStore(_model(1))
-    async with trio.open_nursery() as nursery:
-        a = FakeNode(cluster, nursery, "a")
-        a.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(1)) as rig:
+        a = rig.node("a")
+        await rig.start()
         await _until(lambda: _ready(cluster) == ["m-0"])
-        b = FakeNode(cluster, nursery, "b")
-        b.register()
+        b = rig.node("b")
         cluster.settings = ServerSettings(nodes=NodesSettings(draining=("a",)))
         cluster.poke()
         await _until(lambda: list(cluster.shards) == ["m-0.g2"])
@@ -448,18 +453,15 @@ async def test_a_draining_node_has_its_replica_moved_successor_ready_first(
         assert a.events[-1].at >= b.events[0].at + 2.0  # b's replica READY first
         assert cluster.shards["m-0.g2"].node_id == "b"
         assert _ready(cluster) == ["m-0.g2"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_draining_replica_with_nowhere_to_go_serves_until_the_grace_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster()
-    store = FakeStore(_model(1))
-    async with trio.open_nursery() as nursery:
-        a = FakeNode(cluster, nursery, "a")
-        a.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(1)) as rig:
+        a = rig.node("a")
+        await rig.start()
         await _until(lambda: _ready(cluster) == ["m-0"])
         cluster.settings = ServerSettings(nodes=NodesSettings(draining=("a",), drain_grace=60))
         cluster.poke()
@@ -471,24 +473,19 @@ async def test_a_draining_replica_with_nowhere_to_go_serves_until_the_grace_ends
         stopped = await _until(lambda: a.stops() == ["m-0"])
         assert stopped - began == pytest.approx(60.0, abs=1.5)
         assert a.starts() == ["m-0"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_cordoned_node_gets_no_new_replicas(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster(nodes=NodesSettings(cordoned=("a",)))
-    store = FakeStore(_model(2))
-    async with trio.open_nursery() as nursery:
-        a = FakeNode(cluster, nursery, "a")
-        b = FakeNode(cluster, nursery, "b")
-        a.register()
-        b.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(2)) as rig:
+        a = rig.node("a")
+        rig.node("b")
+        await rig.start()
         await _until(lambda: len(_ready(cluster)) == 2)
         assert a.sent == []
         assert {s.node_id for s in cluster.shards.values()} == {"b"}
-        nursery.cancel_scope.cancel()
 
 
 async def test_serving_stopped_takes_everything_to_zero_and_back(
@@ -496,11 +493,9 @@ async def test_serving_stopped_takes_everything_to_zero_and_back(
 ) -> None:
     cluster = _cluster()
     other = ModelRecord.simple("other", "sim", replicas=1)
-    store = FakeStore(_model(2), other)
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a")
-        node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(2), other) as rig:
+        node = rig.node("a")
+        await rig.start()
         await _until(lambda: len(_ready(cluster)) == 2 and _ready(cluster, "other") == ["other-0"])
         cluster.settings = ServerSettings(serving=ServingSettings(stopped=True))
         cluster.poke()
@@ -510,25 +505,21 @@ async def test_serving_stopped_takes_everything_to_zero_and_back(
         cluster.settings = ServerSettings()
         cluster.poke()
         await _until(lambda: len(_ready(cluster)) == 2 and _ready(cluster, "other") == ["other-0"])
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_stopped_or_external_model_has_no_replicas(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster()
-    store = FakeStore(_model(2, stopped=True))
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a")
-        node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(2, stopped=True)) as rig:
+        node = rig.node("a")
+        await rig.start()
         await trio.sleep(10)
         assert node.sent == []
-        store.put(cluster, _model(2))
+        rig.put(_model(2))
         await _until(lambda: len(_ready(cluster)) == 2)
-        store.put(cluster, _model(2, stopped=True))
+        rig.put(_model(2, stopped=True))
         await _until(lambda: not cluster.shards)
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_replica_placed_on_a_gpu_whose_engine_runs_on_cpu_is_stopped_and_failed(
@@ -537,11 +528,9 @@ async def test_a_replica_placed_on_a_gpu_whose_engine_runs_on_cpu_is_stopped_and
     model = ModelRecord(name=MODEL, profiles=(Profile(engine="vllm", gpu_class="h100-80g"),))
     gpu = protocol.Gpu(index=0, name="NVIDIA H100 80GB HBM3", memory_total_mb=81559)
     cluster = _cluster()
-    store = FakeStore(model)
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a", gpus=(gpu,), compute="CPU")
-        node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, model) as rig:
+        node = rig.node("a", gpus=(gpu,), compute="CPU")
+        await rig.start()
         await _until(lambda: node.stops() == ["m-0"])
         start = node.sent[0]
         assert isinstance(start, protocol.StartShard)
@@ -552,46 +541,38 @@ async def test_a_replica_placed_on_a_gpu_whose_engine_runs_on_cpu_is_stopped_and
             "engine found no usable GPU although placed on GPU(s) 0 (engine reports: CPU)"
         )
         assert _ready(cluster) == []
-        nursery.cancel_scope.cancel()
 
 
 async def test_an_engine_port_held_by_another_process_is_left_for_another(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster()
-    store = FakeStore(_model(1))
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a")
+    async with _rig(cluster, _model(1)) as rig:
+        node = rig.node("a")
         node.busy.add(20000)
-        node.register()
-        await _start(nursery, store, cluster)
+        await rig.start()
         await _until(lambda: _ready(cluster) == ["m-0"])
         assert [e.port for e in node.events] == [20000, 20001]
         assert cluster.nodes["a"].busy_ports == {20000}
         # Another replica does not get the busy port either.
-        store.put(cluster, _model(2))
+        rig.put(_model(2))
         await _until(lambda: len(_ready(cluster)) == 2)
         assert cluster.shards["m-1"].port == 20002
-        nursery.cancel_scope.cancel()
 
 
 async def test_the_replicas_of_a_lost_node_are_placed_elsewhere(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster()
-    store = FakeStore(_model(1))
-    async with trio.open_nursery() as nursery:
-        a = FakeNode(cluster, nursery, "a")
-        a.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(1)) as rig:
+        rig.node("a")
+        await rig.start()
         await _until(lambda: _ready(cluster) == ["m-0"])
-        b = FakeNode(cluster, nursery, "b")
-        b.register()
+        b = rig.node("b")
         cluster.node_disconnected("a")
         await trio.sleep(20)
         assert b.sent == []  # a link blip is not a loss
         await _until(lambda: _ready(cluster) == ["m-0"] and cluster.shards["m-0"].node_id == "b")
-        nursery.cancel_scope.cancel()
 
 
 def test_slots_go_to_profiles_by_priority() -> None:
@@ -619,13 +600,10 @@ async def test_gpu_and_cpu_profiles_of_one_model_are_placed_by_their_needs(
     card = "NVIDIA H100 80GB HBM3"
     gpus = tuple(protocol.Gpu(index=i, name=card, memory_total_mb=81559) for i in range(2))
     cluster = _cluster()
-    store = FakeStore(model)
-    async with trio.open_nursery() as nursery:
-        gpu_node = FakeNode(cluster, nursery, "gpu", gpus=gpus, cpus=2, compute="CUDA0 H100")
-        cpu_node = FakeNode(cluster, nursery, "cpu", cpus=8)
-        gpu_node.register()
-        cpu_node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, model) as rig:
+        gpu_node = rig.node("gpu", gpus=gpus, cpus=2, compute="CUDA0 H100")
+        cpu_node = rig.node("cpu", cpus=8)
+        await rig.start()
         await _until(lambda: len(_ready(cluster)) == 3)
         placed = {
             s.replica_id: (s.node_id, s.profile, s.gpu_indices) for s in cluster.shards.values()
@@ -643,26 +621,22 @@ async def test_gpu_and_cpu_profiles_of_one_model_are_placed_by_their_needs(
         assert starts["m-0"].profile.engine == "vllm"
         assert starts["m-2"].profile.cpu_cores == 4
         assert starts["m-2"].fingerprint == replica_fingerprint(model, model.profiles[0])
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_retiring_replica_finishes_its_requests_before_it_is_stopped(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = _cluster()
-    store = FakeStore(_model(2))
-    async with trio.open_nursery() as nursery:
-        node = FakeNode(cluster, nursery, "a")
-        node.register()
-        await _start(nursery, store, cluster)
+    async with _rig(cluster, _model(2)) as rig:
+        node = rig.node("a")
+        await rig.start()
         await _until(lambda: len(_ready(cluster)) == 2)
         [endpoint] = [e for e in cluster.ready_endpoints(MODEL) if e.replica_id == "m-1"]
         endpoint.in_flight = 1
-        store.put(cluster, _model(1))
+        rig.put(_model(1))
         await _until(lambda: cluster.shards["m-1"].retiring)
         assert _ready(cluster) == ["m-0"]  # no new requests for it
         await trio.sleep(10)
         assert node.stops() == []  # its request is still being answered
         endpoint.in_flight = 0
         await _until(lambda: node.stops() == ["m-1"], within_s=2)
-        nursery.cancel_scope.cancel()

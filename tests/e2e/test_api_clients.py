@@ -43,42 +43,14 @@ def up(start_module_up: Callable[..., Any]) -> Any:
 
 @pytest.fixture
 def client(up: Any) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0, timeout=TIMEOUT_S
-    ) as made:
+    with up.openai_client(TIMEOUT_S) as made:
         yield made
 
 
 @pytest.fixture
 def claude(up: Any) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(
-        base_url=up.base_url, api_key=up.admin_key, max_retries=0, timeout=TIMEOUT_S
-    ) as made:
+    with up.anthropic_client(TIMEOUT_S) as made:
         yield made
-
-
-def _wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
-def _usage_row(up: Any, request_id: str) -> dict[str, Any]:
-    """The usage row of ``request_id`` (``ctl request``), once it is written."""
-
-    def row() -> dict[str, Any] | None:
-        result = up.cli("ctl", "request", request_id, "--json")
-        if result.returncode != 0:
-            return None
-        found: dict[str, Any] = json.loads(result.stdout)
-        return found
-
-    found: dict[str, Any] = _wait_for(row, 15, f"the usage row of {request_id}")
-    return found
 
 
 def _add_model(up: Any, admin_request: Callable[..., httpx.Response], doc: dict[str, Any]) -> None:
@@ -93,7 +65,7 @@ def _add_model(up: Any, admin_request: Callable[..., httpx.Response], doc: dict[
         counts = view["replicas"]
         return bool(counts["ready"] >= counts["wanted"] > 0)
 
-    _wait_for(ready, 60, f"{doc['name']} ready")
+    up.wait_for(ready, 60, f"{doc['name']} ready")
 
 
 def _sse_data(body: bytes) -> list[str]:
@@ -357,7 +329,7 @@ def test_anthropic_messages_streamed_and_its_usage_row_counts_each_token_once(
     assert prompt == 6
     assert usage.output_tokens == 7
 
-    _usage_row(up, request_id)  # written by now
+    up.usage_row(request_id)  # written by now
     listed = up.cli("ctl", "usage", "--last", "100", "--json")
     assert listed.returncode == 0, listed.stderr
     [row] = [r for r in json.loads(listed.stdout)["data"] if r["request_id"] == request_id]
@@ -545,7 +517,7 @@ def test_a_model_is_called_by_its_alias(
         model="nick", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
     )
     assert message.model == "nick"  # as the client asked
-    row = _usage_row(up, raw.headers["x-request-id"])
+    row = up.usage_row(raw.headers["x-request-id"])
     assert row["model"] == "aliased"
 
 
@@ -594,9 +566,7 @@ def test_the_exact_answer_cache_replays_an_answer_free_streamed_and_not(
     assert json.loads(events[-2])["usage"]["completion_tokens"] == 6
 
     # The official client reads the replay like any stream.
-    with openai.OpenAI(
-        base_url=f"{up.base_url}/v1", api_key=key, max_retries=0, timeout=TIMEOUT_S
-    ) as cached_client:
+    with up.openai_client(TIMEOUT_S, api_key=key) as cached_client:
         chunks = list(
             cached_client.chat.completions.create(
                 model=MODEL,
@@ -611,10 +581,10 @@ def test_the_exact_answer_cache_replays_an_answer_free_streamed_and_not(
     )
 
     for answer in (second, second_stream):
-        row = _usage_row(up, answer.headers["x-request-id"])
+        row = up.usage_row(answer.headers["x-request-id"])
         assert row["status"] == 200
         assert row["cache_hit"] is True
         assert (row["prompt_tokens"], row["completion_tokens"], row["cost_micros"]) == (0, 0, 0)
-    missed = _usage_row(up, first.headers["x-request-id"])
+    missed = up.usage_row(first.headers["x-request-id"])
     assert missed["cache_hit"] is False
     assert missed["completion_tokens"] == 6

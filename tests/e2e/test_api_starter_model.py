@@ -11,9 +11,7 @@ model runs here exactly as a user gets it.
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,29 +34,14 @@ def up(start_module_up: Callable[..., Any]) -> Any:
 
 @pytest.fixture
 def client(up: Any) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0, timeout=TIMEOUT_S
-    ) as made:
+    with up.openai_client(TIMEOUT_S) as made:
         yield made
 
 
 @pytest.fixture
 def claude(up: Any) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(
-        base_url=up.base_url, api_key=up.admin_key, max_retries=0, timeout=TIMEOUT_S
-    ) as made:
+    with up.anthropic_client(TIMEOUT_S) as made:
         yield made
-
-
-def _usage_row(up: Any, request_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        result = up.cli("ctl", "request", request_id, "--json")
-        if result.returncode == 0:
-            found: dict[str, Any] = json.loads(result.stdout)
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"no usage row for {request_id} within 15 s")
 
 
 def test_chat_streamed_and_not(up: Any, client: openai.OpenAI) -> None:
@@ -86,7 +69,7 @@ def test_chat_streamed_and_not(up: Any, client: openai.OpenAI) -> None:
     assert 0 < usage.completion_tokens <= 12
     assert usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens is not None
-    row = _usage_row(up, raw.headers["x-request-id"])
+    row = up.usage_row(raw.headers["x-request-id"])
     assert (row["prompt_tokens"], row["completion_tokens"]) == (
         answer.usage.prompt_tokens,
         answer.usage.completion_tokens,
@@ -128,7 +111,7 @@ def test_embeddings_in_floats_and_base64(up: Any, client: openai.OpenAI) -> None
     assert len(decoded) == EMBEDDING_DIM
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(decoded, vector, strict=True))
     raw = client.embeddings.with_raw_response.create(model=MODEL, input="hello world")
-    row = _usage_row(up, raw.headers["x-request-id"])
+    row = up.usage_row(raw.headers["x-request-id"])
     assert row["endpoint"] == "embeddings"
     assert row["prompt_tokens"] > 0
 
@@ -157,7 +140,7 @@ def test_anthropic_messages_streamed_and_not(up: Any, claude: anthropic.Anthropi
     assert text
     usage = final.usage
     assert 0 < usage.output_tokens <= 12
-    row = _usage_row(up, request_id)
+    row = up.usage_row(request_id)
     assert row["endpoint"] == "messages"
     assert row["completion_tokens"] == usage.output_tokens
     assert row["prompt_tokens"] == usage.input_tokens + (usage.cache_read_input_tokens or 0)

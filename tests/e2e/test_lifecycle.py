@@ -64,38 +64,6 @@ ROOMY_SETTINGS = {"auth": {"default_rpm": 1_000_000, "default_tpm": 10**10}}
 # --- processes ----------------------------------------------------------------------
 
 
-def _start_time(pid: int) -> int | None:
-    """``/proc/<pid>/stat`` field 22, None when gone or a zombie: a restarted
-    engine would have another one even with a reused pid."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(")") + 2 :].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
-def _engines_in(ports: tuple[int, int]) -> dict[int, int]:
-    """Engine processes (``llmgw.engines.*``) listening in ``ports``: pid → port."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not any(a.startswith(b"llmgw.engines.") for a in argv) or b"--port" not in argv:
-            continue
-        try:
-            port = int(argv[argv.index(b"--port") + 1])
-        except (IndexError, ValueError):
-            continue
-        if ports[0] <= port <= ports[1] and _start_time(int(entry.name)) is not None:
-            found[int(entry.name)] = port
-    return found
-
-
 def _cmdline(pid: int) -> list[str]:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -131,10 +99,24 @@ def _wait_for(what: str, predicate: Callable[[], Any], timeout_s: float = STEP_T
 
 
 class Cluster:
-    """``llmgw up --no-agent`` (real starter model) and one ``llmgw agent``."""
+    """``llmgw up --no-agent`` (real starter model) and one ``llmgw agent``,
+    run with the helpers ``conftest.py`` gives as the fixtures of the same
+    names (``procs``: the machine's processes)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        up_argv: Callable[..., list[str]],
+        admin_request: Callable[..., httpx.Response],
+        agent_type: Any,
+        procs: Any,
+    ) -> None:
         self.root = root
+        self.up_argv = up_argv
+        self.admin_request = admin_request
+        self.agent_type = agent_type
+        self.procs = procs
         self.data_dir = root / "data"
         self.data_dir.mkdir(parents=True)
         (self.data_dir / "server.yaml").write_text(json.dumps(ROOMY_SETTINGS))  # JSON is YAML
@@ -146,34 +128,19 @@ class Cluster:
         self.up_log = root / "up.log"
         self.agent_log = root / "agent.log"
         self.up: subprocess.Popen[bytes] | None = None
-        self.agent: subprocess.Popen[bytes] | None = None
+        #: :class:`conftest.Agent`, once up has written run.json.
+        self.agent: Any = None
         self.run: dict[str, str] = {}
-        self.agent_argv: list[str] = []
-        #: Where the running agent's lines start in its log.
-        self.agent_mark = 0
 
     # processes
 
     def start_up(self) -> None:
-        argv = [
-            sys.executable,
-            "-m",
-            "llmgw.cli",
-            "up",
-            "--data-dir",
-            str(self.data_dir),
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--agent-listen",
-            "127.0.0.1:0",
+        argv = self.up_argv(
+            self.data_dir,
             "--engine-ports",
             f"{self.engine_ports[0]}-{self.engine_ports[1]}",
             "--no-agent",
-        ]
+        )
         with self.up_log.open("ab") as out:
             self.up = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -190,36 +157,7 @@ class Cluster:
             return True
 
         _wait_for("run.json", read_run, READY_TIMEOUT_S)
-        self.agent_argv = [
-            sys.executable,
-            "-m",
-            "llmgw.cli",
-            "agent",
-            "--server",
-            f"ws://{self.run['agent_hub']}/agent",
-            "--token-file",
-            str(self.data_dir / "agent-token"),
-            "--state-dir",
-            str(self.state_dir),
-            "--node-id",
-            NODE,
-        ]
-
-    def start_agent(self) -> None:
-        self.agent_mark = len(self.agent_log_text())
-        with self.agent_log.open("ab") as out:
-            self.agent = subprocess.Popen(
-                self.agent_argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def kill_agent(self, sig: signal.Signals = signal.SIGKILL) -> None:
-        if self.agent is not None and self.agent.poll() is None:
-            self.agent.send_signal(sig)
-            try:
-                self.agent.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.agent.kill()
-                self.agent.wait()
+        self.agent = self.agent_type(self, self.state_dir, self.agent_log, NODE)
 
     def wait_ready(self) -> None:
         def ready() -> bool:
@@ -234,7 +172,8 @@ class Cluster:
 
     def shutdown(self) -> None:
         """The agent, then up, then every engine of this cluster's ports."""
-        self.kill_agent(signal.SIGKILL)
+        if self.agent is not None:
+            self.agent.kill(signal.SIGKILL)
         if self.up is not None and self.up.poll() is None:
             self.up.send_signal(signal.SIGINT)
             try:
@@ -243,12 +182,9 @@ class Cluster:
                 os.killpg(self.up.pid, signal.SIGKILL)
                 self.up.wait()
         groups = {shard["pgid"] for shard in self.shards().values()}
-        groups.update(os.getpgid(pid) for pid in self._live(_engines_in(self.engine_ports)))
-        for pgid in groups:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        engines = self.procs.engines_in(self.engine_ports)
+        groups.update(os.getpgid(pid) for pid in self._live(engines))
+        self.procs.kill_groups(groups)
 
     @staticmethod
     def _live(pids: dict[int, int]) -> list[int]:
@@ -268,13 +204,6 @@ class Cluster:
                 lines = path.read_text(errors="replace").splitlines()[-60:]
                 text += f"--- {path.name} (last lines)\n" + "\n".join(lines) + "\n"
         return text
-
-    def agent_log_text(self) -> str:
-        return self.agent_log.read_text(errors="replace") if self.agent_log.exists() else ""
-
-    def running_agent_log(self) -> str:
-        """The lines of the agent running now."""
-        return self.agent_log_text()[self.agent_mark :]
 
     # the user's tools
 
@@ -316,11 +245,7 @@ class Cluster:
     def api_replicas(self) -> list[dict[str, Any]]:
         """``GET /api/v1/replicas`` (what ``ctl replicas --json`` prints), for
         polling faster than a CLI process can start."""
-        answer = httpx.get(
-            f"http://{self.run['admin']}/api/v1/replicas",
-            headers={"authorization": f"Bearer {self.admin_key}"},
-            timeout=5.0,
-        )
+        answer = self.admin_request(self, "GET", "/api/v1/replicas", timeout=5.0)
         answer.raise_for_status()
         data: list[dict[str, Any]] = answer.json()["data"]
         return data
@@ -370,14 +295,26 @@ def _chat(client: openai.OpenAI, model: str, max_tokens: int = 4) -> tuple[int, 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+    up_argv: Callable[..., list[str]],
+    admin_request: Callable[..., httpx.Response],
+    agent_type: Any,
+    procs: Any,
+) -> Iterator[Cluster]:
     """Point 1's set-up: up --no-agent with the starter, an agent apart, and
     two sim models added with the CLI."""
-    c = Cluster(tmp_path_factory.mktemp("lifecycle"))
+    c = Cluster(
+        tmp_path_factory.mktemp("lifecycle"),
+        up_argv=up_argv,
+        admin_request=admin_request,
+        agent_type=agent_type,
+        procs=procs,
+    )
     try:
         _logs.append(c.logs)
         c.start_up()
-        c.start_agent()
+        c.agent.start()
         c.wait_ready()
         for name, memory_gb in ((SCALED, "1"), (ROLLED, "0.5")):
             out = c.ok("ctl", "model", "add", name, "--engine", "sim", "--min-memory-gb", memory_gb)
@@ -416,23 +353,24 @@ def test_1_the_starter_and_two_sim_models_are_ready_and_answer(cluster: Cluster)
 def test_4_a_killed_agent_s_engines_are_adopted_not_restarted(cluster: Cluster) -> None:
     before = cluster.shards()
     assert {r.rsplit("-", 1)[0] for r in before} >= {STARTER, SCALED, ROLLED}, before
-    started = {rid: _start_time(s["pid"]) for rid, s in before.items()}
+    started = {rid: cluster.procs.start_time(s["pid"]) for rid, s in before.items()}
     assert all(started.values()), started
     replicas_before = {r["replica_id"]: r for r in cluster.replicas()}
     assert set(replicas_before) == set(before)
 
-    assert cluster.agent is not None
-    cluster.kill_agent(signal.SIGKILL)
-    assert cluster.agent.returncode == -signal.SIGKILL
+    cluster.agent.kill(signal.SIGKILL)
+    assert cluster.agent.process.returncode == -signal.SIGKILL
     for rid, shard in before.items():
-        assert _start_time(shard["pid"]) == started[rid], f"{rid}'s engine died with the agent"
+        assert cluster.procs.start_time(shard["pid"]) == started[rid], (
+            f"{rid}'s engine died with the agent"
+        )
 
-    cluster.start_agent()
+    cluster.agent.start()
     _wait_for(
         f"the new agent registered and adopted {len(before)} engines",
         lambda: (
-            cluster.running_agent_log().count(": adopted ") == len(before)
-            and "registered with the control plane" in cluster.running_agent_log()
+            cluster.agent.running_log().count(": adopted ") == len(before)
+            and "registered with the control plane" in cluster.agent.running_log()
             and all(n["connected"] for n in cluster.json("ctl", "nodes")["data"])
             and all(r["state"] == "READY" for r in cluster.replicas())
         ),
@@ -441,7 +379,9 @@ def test_4_a_killed_agent_s_engines_are_adopted_not_restarted(cluster: Cluster) 
     after = cluster.shards()
     assert after == before
     for rid, shard in after.items():
-        assert _start_time(shard["pid"]) == started[rid], f"{rid}'s engine was restarted"
+        assert cluster.procs.start_time(shard["pid"]) == started[rid], (
+            f"{rid}'s engine was restarted"
+        )
     replicas_after = {r["replica_id"]: r for r in cluster.replicas()}
     assert set(replicas_after) == set(replicas_before)
     for rid, rep in replicas_after.items():
@@ -498,7 +438,7 @@ def test_2_scale_to_three_then_one_stops_two_engines_and_frees_their_room(
     assert len(gone) == 2
     _wait_for(
         f"the engines of {sorted(gone)} gone",
-        lambda: all(_start_time(e["pid"]) is None for e in gone.values()),
+        lambda: all(cluster.procs.start_time(e["pid"]) is None for e in gone.values()),
         15.0,
     )
     _wait_for(
@@ -506,7 +446,7 @@ def test_2_scale_to_three_then_one_stops_two_engines_and_frees_their_room(
         lambda: not any(_port_open(e["port"]) for e in gone.values()),
         15.0,
     )
-    assert _start_time(engines[kept["replica_id"]]["pid"]) is not None
+    assert cluster.procs.start_time(engines[kept["replica_id"]]["pid"]) is not None
     assert set(cluster.shards()) & set(gone) == set()
     # The room two replicas held (1 GB each) is free again.
     free_after = _memory_free_gb(cluster, SCALED)
@@ -647,8 +587,8 @@ def test_3_rolling_restarts_under_load_fail_no_request(cluster: Cluster, tmp_pat
     assert len({first, second, third}) == 3
     pids = {first_pid, second_engine["pid"], third_engine["pid"]}
     assert len(pids) == 3
-    assert _start_time(first_pid) is None
-    assert _start_time(second_engine["pid"]) is None
+    assert cluster.procs.start_time(first_pid) is None
+    assert cluster.procs.start_time(second_engine["pid"]) is None
     argv = _cmdline(third_engine["pid"])
     assert "--tokens-per-second" in argv, argv
     assert argv[argv.index("--tokens-per-second") + 1] == "300", argv
@@ -789,7 +729,7 @@ def test_6_an_on_demand_model_loads_on_its_first_request_and_is_evicted_when_idl
         "starting": 0,
         "failed": 0,
     }
-    _wait_for("the on-demand engine gone", lambda: _start_time(pid) is None, 15.0)
+    _wait_for("the on-demand engine gone", lambda: cluster.procs.start_time(pid) is None, 15.0)
 
 
 # --- 7 and 8 --------------------------------------------------------------------------
@@ -848,10 +788,10 @@ def test_8_plan_of_the_starter_gguf_gives_weights_kv_and_a_cpu_speed(cluster: Cl
     # it 10-120 s after registering and sends it in every heartbeat.
     _wait_for(
         "the agent measured its memory bandwidth",
-        lambda: "memory bandwidth: read_gbs=" in cluster.running_agent_log(),
+        lambda: "memory bandwidth: read_gbs=" in cluster.agent.running_log(),
         150.0,
     )
-    measured = cluster.running_agent_log().rsplit("memory bandwidth: read_gbs=", 1)[1].split()[0]
+    measured = cluster.agent.running_log().rsplit("memory bandwidth: read_gbs=", 1)[1].split()[0]
     try:
         _wait_for(
             "ctl nodes shows the measured bandwidth",

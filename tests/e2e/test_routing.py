@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import json
 import os
 import signal
 import subprocess
@@ -43,16 +42,6 @@ def http() -> Iterator[httpx.Client]:
         yield client
 
 
-def _wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
 def _add_model(
     up: Any, admin_request: Callable[..., httpx.Response], doc: dict[str, Any], *, ready: int
 ) -> None:
@@ -64,7 +53,7 @@ def _add_model(
         counts = admin_request(up, "GET", f"/api/v1/models/{doc['name']}").json()["replicas"]
         return bool(counts["ready"] >= ready)
 
-    _wait_for(enough, 60, f"{ready} ready replicas of {doc['name']}")
+    up.wait_for(enough, 60, f"{ready} ready replicas of {doc['name']}")
 
 
 def _sim_profile(name: str, *args: str, replicas: int = 1) -> dict[str, Any]:
@@ -103,39 +92,8 @@ def _post(
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
 ) -> httpx.Response:
-    return http.post(
-        f"{up.base_url}{path}",
-        json=body,
-        headers={"authorization": f"Bearer {up.admin_key}", **(headers or {})},
-    )
-
-
-def _usage_row(up: Any, request_id: str) -> dict[str, Any]:
-    def row() -> dict[str, Any] | None:
-        result = up.cli("ctl", "request", request_id, "--json")
-        if result.returncode != 0:
-            return None
-        found: dict[str, Any] = json.loads(result.stdout)
-        return found
-
-    found: dict[str, Any] = _wait_for(row, 15, f"the usage row of {request_id}")
-    return found
-
-
-def _engine_pid(port: int) -> int:
-    """The process whose command line carries ``--port PORT`` (an engine)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--port" in argv:
-            at = argv.index(b"--port")
-            if at + 1 < len(argv) and argv[at + 1] == str(port).encode():
-                return int(entry.name)
-    raise AssertionError(f"no engine process with --port {port}")
+    response: httpx.Response = up.post(path, body, headers, http=http)
+    return response
 
 
 # --- the chat profile: latency and sessions --------------------------------------------
@@ -257,7 +215,7 @@ def test_requests_of_one_session_all_land_on_one_replica(
 
 @pytest.mark.slow
 def test_killing_a_replica_mid_load_loses_no_request_that_had_not_started(
-    up: Any, admin_request: Callable[..., httpx.Response], http: httpx.Client
+    up: Any, admin_request: Callable[..., httpx.Response], http: httpx.Client, procs: Any
 ) -> None:
     """40 concurrent non-streamed requests (no byte reaches a client before
     its answer is whole); one replica is SIGKILLed while they run. Every
@@ -275,7 +233,9 @@ def test_killing_a_replica_mid_load_loses_no_request_that_had_not_started(
     )
     replicas = admin_request(up, "GET", "/api/v1/replicas").json()["data"]
     ports = {r["replica_id"]: r["port"] for r in replicas if r["model"] == "pair"}
-    victim = _engine_pid(ports["pair-0"])
+    victims = procs.on_port(ports["pair-0"])
+    assert victims, f"no engine process with --port {ports['pair-0']}"
+    victim = victims[0]
 
     def one(i: int) -> httpx.Response:
         body = {
@@ -298,7 +258,7 @@ def test_killing_a_replica_mid_load_loses_no_request_that_had_not_started(
     # The kill did hit requests in flight there: the gateway tried another.
     assert "pair-0 did not answer" in up.log()[log_before:], up.log()[log_before:]
     # The killed replica is started again.
-    _wait_for(
+    up.wait_for(
         lambda: admin_request(up, "GET", "/api/v1/models/pair").json()["replicas"]["ready"] == 2,
         60,
         "pair back to two ready replicas",
@@ -392,7 +352,7 @@ def test_an_outside_key_at_its_limit_is_skipped_for_the_good_one(
     assert {r.headers["x-llmgw-replica"] for r in results} == {"external:ext#2"}
     assert results[0].json()["model"] == "provider-model"
     assert all("data: [DONE]" in r.text for r in results[25:])
-    row = _usage_row(up, results[0].headers["x-request-id"])
+    row = up.usage_row(results[0].headers["x-request-id"])
     assert (row["model"], row["status"], row["replica_id"]) == ("ext", 200, "external:ext#2")
     # The bad key was tried (a 50/50 draw until its breaker opened) and skipped.
     assert "external:ext#1 answered 429" in up.log()[log_before:]
@@ -460,7 +420,7 @@ def test_a_model_without_a_replica_is_answered_by_its_fallback(
     # Its only replica goes away: the fallback answers.
     scaled = admin_request(up, "POST", "/api/v1/models/primary/scale", {"replicas": 0})
     assert scaled.status_code == 200, scaled.text
-    _wait_for(
+    up.wait_for(
         lambda: (
             not [
                 r
@@ -474,7 +434,7 @@ def test_a_model_without_a_replica_is_answered_by_its_fallback(
     fallen_back = _post(up, http, "/v1/chat/completions", body)
     assert fallen_back.status_code == 200, fallen_back.text
     assert fallen_back.headers["x-llmgw-replica"] == "sim-model-0"
-    row = _usage_row(up, fallen_back.headers["x-request-id"])
+    row = up.usage_row(fallen_back.headers["x-request-id"])
     assert (row["model"], row["served_model"], row["status"]) == ("primary", "sim-model", 200)
     assert row["completion_tokens"] == 2
 
@@ -495,5 +455,5 @@ def test_a_model_without_a_replica_is_answered_by_its_fallback(
     )
     assert streamed.status_code == 200, streamed.text
     assert streamed.headers["x-llmgw-replica"] == "sim-model-0"
-    row = _usage_row(up, streamed.headers["x-request-id"])
+    row = up.usage_row(streamed.headers["x-request-id"])
     assert (row["model"], row["served_model"]) == ("unplaced", "sim-model")

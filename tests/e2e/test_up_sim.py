@@ -20,34 +20,11 @@ import pytest
 MODEL = "sim-model"
 
 
-def _status(up: Any) -> dict[str, Any]:
-    result = up.cli("ctl", "status", "--json")
-    assert result.returncode == 0, result.stderr
-    doc: dict[str, Any] = json.loads(result.stdout)
-    return doc
-
-
 def _replica(up: Any) -> dict[str, Any]:
-    replicas = _status(up)["replicas"]
+    replicas = up.status()["replicas"]
     assert len(replicas) == 1, replicas
     replica: dict[str, Any] = replicas[0]
     return replica
-
-
-def _pids_listening_on(port: int) -> list[int]:
-    """Processes whose command line carries ``--port PORT`` (the engine)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        at = argv.index(b"--port") if b"--port" in argv else -1
-        if 0 <= at < len(argv) - 1 and argv[at + 1] == str(port).encode():
-            pids.append(int(entry.name))
-    return pids
 
 
 def _alive(pid: int) -> bool:
@@ -69,15 +46,6 @@ def _port_free(address: str) -> bool:
     return True
 
 
-def _wait_for(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
 def test_the_openai_client_gets_a_streamed_answer_with_usage_and_a_usage_row_is_written(
     start_up: Any,
 ) -> None:
@@ -85,7 +53,7 @@ def test_the_openai_client_gets_a_streamed_answer_with_usage_and_a_usage_row_is_
     non-streamed completion, /v1/models; then the rows in `ctl usage`."""
     up = start_up("--engine", "sim", "--model-name", MODEL)
     up.wait_ready()
-    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    client = up.openai_client()
     try:
         assert [m.id for m in client.models.list()] == [MODEL]
         stream = client.chat.completions.create(
@@ -125,7 +93,7 @@ def test_the_openai_client_gets_a_streamed_answer_with_usage_and_a_usage_row_is_
         data: list[dict[str, Any]] = json.loads(result.stdout)["data"]
         return data
 
-    _wait_for(lambda: len(rows()) >= 3, 10, "three usage rows")
+    up.wait_for(lambda: len(rows()) >= 3, 10, "three usage rows")
     newest = rows()
     by_endpoint = {(r["endpoint"], r["stream"], r["completion_tokens"]): r for r in newest}
     streamed = by_endpoint[("chat", True, 8)]
@@ -169,7 +137,7 @@ def test_bad_requests_get_openai_error_shapes_and_statuses(start_up: Any) -> Non
         assert http.get(url, headers=good).headers["allow"] == "POST"
         assert "JSON" in cases[2][0].json()["error"]["message"]
         assert cases[3][0].json()["error"]["param"] == "messages"
-    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key="sk-llmgw-nope", max_retries=0)
+    client = up.openai_client(api_key="sk-llmgw-nope")
     try:
         with pytest.raises(openai.AuthenticationError):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
@@ -184,7 +152,7 @@ def test_a_key_made_with_keys_create_works_and_is_stored_only_as_a_hash(start_up
     assert made.returncode == 0, made.stderr
     secret = made.stdout.strip()
     assert secret.startswith("sk-llmgw-")
-    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=secret, max_retries=0)
+    client = up.openai_client(api_key=secret)
     try:
         answer = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
@@ -214,7 +182,9 @@ def test_a_key_made_with_keys_create_works_and_is_stored_only_as_a_hash(start_up
     assert refused.json()["error"]["message"] == "This API key has been revoked."
 
 
-def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(start_up: Any) -> None:
+def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(
+    start_up: Any, procs: Any
+) -> None:
     """SIGKILL the engine while a stream is being answered: the replica is
     reported FAILED with the engine's last lines, restarted with back-off,
     and READY again — without restarting llmgw."""
@@ -228,11 +198,11 @@ def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(start_up: A
     )
     up.wait_ready()
     replica = _replica(up)
-    [engine_pid] = _pids_listening_on(replica["port"])
+    [engine_pid] = procs.on_port(replica["port"])
     outcome: dict[str, Any] = {}
 
     def long_stream() -> None:
-        client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+        client = up.openai_client()
         try:
             for _ in client.chat.completions.create(
                 model=MODEL,
@@ -248,7 +218,7 @@ def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(start_up: A
 
     reader = threading.Thread(target=long_stream)
     reader.start()
-    _wait_for(lambda: outcome.get("chunks", 0) >= 3, 20, "the stream to be under way")
+    up.wait_for(lambda: outcome.get("chunks", 0) >= 3, 20, "the stream to be under way")
     os.kill(engine_pid, signal.SIGKILL)
     reader.join(timeout=30)
     assert not reader.is_alive()
@@ -256,14 +226,14 @@ def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(start_up: A
     assert isinstance(outcome["error"], openai.APIError)
     assert not isinstance(outcome["error"], openai.APIConnectionError)
     assert "broke off" in str(outcome["error"])
-    _wait_for(lambda: "failed" in up.log().lower(), 20, "the failure to be reported")
-    _wait_for(lambda: _replica(up)["state"] == "READY", 60, "the replica to be READY again")
-    [new_pid] = _pids_listening_on(_replica(up)["port"])
+    up.wait_for(lambda: "failed" in up.log().lower(), 20, "the failure to be reported")
+    up.wait_for(lambda: _replica(up)["state"] == "READY", 60, "the replica to be READY again")
+    [new_pid] = procs.on_port(_replica(up)["port"])
     assert new_pid != engine_pid
     assert up.process.poll() is None
     assert "killed by signal 9" in up.log()
     assert "last output:" in up.log()
-    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    client = up.openai_client()
     try:
         answer = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
@@ -280,18 +250,20 @@ def test_a_killed_engine_is_restarted_and_its_replica_is_ready_again(start_up: A
     assert up.cli("ctl", "logs", "-n", "0").returncode != 0
 
 
-def test_sigint_stops_everything_and_frees_every_port_within_ten_seconds(start_up: Any) -> None:
+def test_sigint_stops_everything_and_frees_every_port_within_ten_seconds(
+    start_up: Any, procs: Any
+) -> None:
     up = start_up("--engine", "sim", "--model-name", MODEL)
     up.wait_ready()
     replica = _replica(up)
-    engine_pids = _pids_listening_on(replica["port"])
+    engine_pids = procs.on_port(replica["port"])
     assert engine_pids
     addresses = [up.run["api"], up.run["admin"], up.run["metrics"], up.run["agent_hub"]]
     addresses.append(f"127.0.0.1:{replica['port']}")
     began = time.monotonic()
     up.process.send_signal(signal.SIGINT)
     up.process.wait(timeout=10)
-    _wait_for(
+    up.wait_for(
         lambda: not any(_alive(p) for p in engine_pids) and all(_port_free(a) for a in addresses),
         max(0.5, 10 - (time.monotonic() - began)),
         "no engine process and every port free",
@@ -322,12 +294,12 @@ def _engine_key(pid: int) -> str:
 
 
 def test_the_engine_key_is_in_its_environment_and_the_client_key_never_reaches_it(
-    start_up: Any,
+    start_up: Any, procs: Any
 ) -> None:
     up = start_up("--engine", "sim", "--model-name", MODEL)
     up.wait_ready()
     port = _replica(up)["port"]
-    [pid] = _pids_listening_on(port)
+    [pid] = procs.on_port(port)
     key = _engine_key(pid)
     assert len(key) == 64
     assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -346,7 +318,9 @@ def test_the_engine_key_is_in_its_environment_and_the_client_key_never_reaches_i
         )
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_the_engine_request(start_up: Any) -> None:
+def test_a_client_that_disconnects_mid_stream_cancels_the_engine_request(
+    start_up: Any, procs: Any
+) -> None:
     up = start_up(
         "--engine",
         "sim",
@@ -357,7 +331,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_engine_request(start_u
     )
     up.wait_ready()
     port = _replica(up)["port"]
-    [pid] = _pids_listening_on(port)
+    [pid] = procs.on_port(port)
     engine_key = {"authorization": f"Bearer {_engine_key(pid)}"}
 
     def running() -> float:
@@ -385,14 +359,14 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_engine_request(start_u
         for _ in range(3):
             next(chunks)
         assert running() == 1
-    _wait_for(lambda: running() == 0, 10, "the engine to drop the request")
+    up.wait_for(lambda: running() == 0, 10, "the engine to drop the request")
 
     def rows() -> list[dict[str, Any]]:
         result = up.cli("ctl", "usage", "--json")
         data: list[dict[str, Any]] = json.loads(result.stdout)["data"]
         return data
 
-    _wait_for(lambda: bool(rows()), 10, "the usage row")
+    up.wait_for(lambda: bool(rows()), 10, "the usage row")
     [row] = rows()
     assert row["status"] == 499
     assert 0 < row["completion_tokens"] < 500
@@ -408,7 +382,7 @@ def test_a_request_in_flight_finishes_after_sigint(start_up: Any) -> None:
         "--engine-arg=20",
     )
     up.wait_ready()
-    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    client = up.openai_client()
     try:
         stream = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=40, stream=True
@@ -434,9 +408,8 @@ def test_a_request_for_a_loading_model_waits_for_it_and_is_answered(start_up: An
     # shared/spec/gateway-api.md: a request for a model that is loading waits
     # rather than failing.
     up = start_up("--engine", "sim", "--model-name", MODEL, "--engine-arg=--loading-seconds=4")
-    _wait_for(lambda: (up.data_dir / "run.json").exists(), 60, "llmgw to listen")
+    up.wait_run(60)
     time.sleep(0.5)
-    up.run = json.loads((up.data_dir / "run.json").read_text())
     assert httpx.get(f"{up.base_url}/health", timeout=5).status_code == 200
     assert httpx.get(f"{up.base_url}/ready", timeout=5).status_code == 503
     response = httpx.post(
@@ -455,7 +428,7 @@ def test_prometheus_metrics_count_requests_tokens_and_latency_on_their_own_liste
 ) -> None:
     up = start_up("--engine", "sim", "--model-name", MODEL)
     up.wait_ready()
-    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    client = up.openai_client()
     try:
         list(
             client.chat.completions.create(
@@ -502,7 +475,7 @@ def test_a_second_up_on_the_same_data_dir_or_ports_fails_clearly_and_changes_not
     assert "cannot listen" in same_ports.stderr
     assert "Traceback" not in same_ports.stderr
     assert not (other_dir / "admin-key").exists()
-    status = _status(first)
+    status = first.status()
     assert status["models"] == [MODEL]
     assert [r["replica_id"] for r in status["replicas"]] == [f"{MODEL}-0"]
 
@@ -519,7 +492,7 @@ def test_up_serves_the_model_it_was_asked_for_and_keeps_those_added_with_ctl(
     first.stop()
     second = start_up("--engine", "sim", "--model-name", "second-model")
     second.wait_ready()
-    assert sorted(_status(second)["models"]) == ["added-model", "second-model"]
+    assert sorted(second.status()["models"]) == ["added-model", "second-model"]
     assert "first-model from an earlier start removed" in second.log()
     assert "added-model from an earlier start" not in second.log()
 
@@ -537,7 +510,7 @@ def test_an_engine_port_held_by_another_process_is_never_used(start_up: Any) -> 
         replica = _replica(up)
         assert replica["port"] != up.engine_ports[0]
         assert "is taken by another process" in up.log()
-        client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+        client = up.openai_client()
         try:
             answer = client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
@@ -566,7 +539,7 @@ def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_event_not_a_torn
         "--engine-arg=1000",
     )
     up.wait_ready()
-    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    client = up.openai_client()
     try:
         chunks = iter(
             client.chat.completions.create(
