@@ -605,7 +605,9 @@ def add_control_routes(
 
     async def save(model: ModelRecord) -> dict[str, Any]:
         await store.put_model(model)
-        cluster.models[model.name] = model
+        # A new dict, never changed in place: readers (the gateway's alias
+        # map) notice the catalog changed by its identity.
+        cluster.models = {**cluster.models, model.name: model}
         cluster.poke()
         return model_view(model, cluster)
 
@@ -700,7 +702,7 @@ def add_control_routes(
         if purge and data_dir is None:
             raise _Refused(400, "This control plane has no data directory to purge from.")
         await store.delete_model(name)
-        cluster.models.pop(name, None)
+        cluster.models = {k: v for k, v in cluster.models.items() if k != name}
         cluster.poke()
         purged: list[str] = []
         if purge and data_dir is not None:

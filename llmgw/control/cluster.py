@@ -334,6 +334,8 @@ class Cluster:
         self.nodes: dict[str, NodeInfo] = {}
         self.shards: dict[str, ShardInfo] = {}
         self.endpoints: dict[str, list[Endpoint]] = {}
+        #: The catalog by model name: replaced whole, never changed in place
+        #: (readers such as the gateway's alias map cache by its identity).
         self.models: dict[str, ModelRecord] = {}
         self.catalog_loaded = False
         self.secret: bytes = b""

@@ -593,3 +593,19 @@ async def test_a_model_shows_why_its_replicas_wait_and_only_its_own(admin: Admin
     }
     _, big = await admin.call("GET", "/api/v1/models/m-big")
     assert big["waiting"] == {"m-big-0": "needs 4 cores"}
+
+
+async def test_the_catalog_is_replaced_whole_so_its_readers_see_each_change(
+    admin: Admin,
+) -> None:
+    before = admin.cluster.models
+    status, _ = await admin.call("POST", "/api/v1/models", sim_entry("fresh"))
+    assert status == 201
+    added = admin.cluster.models
+    assert added is not before
+    assert "fresh" in added
+    assert "fresh" not in before
+    status, _ = await admin.call("DELETE", "/api/v1/models/fresh")
+    assert status == 200
+    assert admin.cluster.models is not added
+    assert "fresh" not in admin.cluster.models
