@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any, Final, Protocol
 
 import orjson
@@ -41,6 +41,7 @@ from llmgw.auth.keys import KeyAuthenticator, KeyRefused
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster, Endpoint
 from llmgw.engines.asgi import answer_lifespan
+from llmgw.engines.registry import unsupported_request
 from llmgw.router import scoring
 from llmgw.router.admission import Admission, AdmissionTimeout, Band
 from llmgw.router.breaker import counts_as_failure, earliest_recovery, parse_retry_after_s
@@ -103,90 +104,20 @@ _UPSTREAM_PATH: Final = {
     "messages": b"/v1/chat/completions",
     "responses": b"/v1/chat/completions",
 }
-#: Engines that answer ``n`` choices; others get ``n`` other than 1 refused.
-_ENGINES_WITH_N: Final = frozenset({"sim", "vllm", "sglang"})
 
 
 class _StreamShape(Protocol):
-    """A streamed answer's translator: engine SSE bytes in, client bytes out."""
+    """A streamed answer's relay or translator: engine SSE bytes in, client
+    bytes out (:class:`SseRelay`, :class:`anthropic.MessagesStream`,
+    :class:`responses.ResponsesStream`)."""
 
     usage: Usage | None
     content_chunks: int
+    #: The answer's end is in hand (``[DONE]``, or the translated end).
+    done: bool
 
     def feed(self, data: bytes) -> bytes: ...
     def finish(self) -> bytes: ...
-    @property
-    def ended(self) -> bool: ...
-
-
-class _OpenAIStream:
-    """The engine's own stream, relayed (:class:`SseRelay`)."""
-
-    __slots__ = ("_relay",)
-
-    def __init__(self, pass_usage: bool) -> None:
-        self._relay = SseRelay(pass_usage=pass_usage)
-
-    @property
-    def usage(self) -> Usage | None:
-        return self._relay.usage
-
-    @usage.setter
-    def usage(self, value: Usage | None) -> None:
-        self._relay.usage = value
-
-    @property
-    def content_chunks(self) -> int:
-        return self._relay.content_chunks
-
-    @content_chunks.setter
-    def content_chunks(self, value: int) -> None:
-        self._relay.content_chunks = value
-
-    def feed(self, data: bytes) -> bytes:
-        return self._relay.feed(data)
-
-    def finish(self) -> bytes:
-        return self._relay.flush()
-
-    @property
-    def ended(self) -> bool:
-        return self._relay.saw_done
-
-
-class _TranslatedStream:
-    """An Anthropic or Responses stream made from the engine's chat stream."""
-
-    __slots__ = ("_inner",)
-
-    def __init__(self, inner: anthropic.MessagesStream | responses.ResponsesStream) -> None:
-        self._inner = inner
-
-    @property
-    def usage(self) -> Usage | None:
-        return self._inner.usage
-
-    @usage.setter
-    def usage(self, value: Usage | None) -> None:
-        self._inner.usage = value
-
-    @property
-    def content_chunks(self) -> int:
-        return self._inner.content_chunks
-
-    @content_chunks.setter
-    def content_chunks(self, value: int) -> None:
-        self._inner.content_chunks = value
-
-    def feed(self, data: bytes) -> bytes:
-        return self._inner.feed(data)
-
-    def finish(self) -> bytes:
-        return self._inner.finish()
-
-    @property
-    def ended(self) -> bool:
-        return self._inner.done
 
 
 class Gateway:
@@ -377,6 +308,8 @@ class Gateway:
                 raise _system_stopped()
             body = await _read_body(scope, receive, self._max_body_bytes)
             doc = _parse(body, kind)
+            if kind in ("chat", "completions", "embeddings"):
+                call.body = body  # sent on as it came unless the doc changes
             if kind == "messages":
                 call.client_doc = doc
                 doc = anthropic.request_to_chat(doc)
@@ -476,21 +409,12 @@ class Gateway:
                     f"'{asked}' is {value}, above the {limit} tokens '{model.name}' may answer.",
                     param=asked,
                 )
-        if doc.get("tools") and _without_jinja(model):
-            raise bad_request(
-                f"'{model.name}' runs on llama.cpp without Jinja templates (--no-jinja), "
-                "which cannot take tools; ask for a model whose profile runs with --jinja.",
-                param="tools",
-            )
-        n = doc.get("n")
-        if n is not None and n != 1:
-            engine = "external" if model.external is not None else _engine_of(model)
-            if engine != "external" and engine not in _ENGINES_WITH_N:
-                raise bad_request(
-                    f"'n' other than 1 is not supported by the {engine} engine serving "
-                    f"'{model.name}'.",
-                    param="n",
-                )
+        profile = model.profile
+        if model.external is None and profile is not None:
+            refused = unsupported_request(profile.engine, profile.args, doc)
+            if refused is not None:
+                field, why = refused
+                raise bad_request(f"'{model.name}' {why}.", param=field)
 
     async def _authenticate(self, scope: Scope) -> KeyRecord:
         header = _header(scope, b"authorization")
@@ -596,7 +520,7 @@ class Gateway:
         """
         waited_for_load = False
         while True:
-            for target in (model, *self._fallbacks(call, model)):
+            for target in self._candidates(call, model):
                 endpoints = self._endpoints(target)
                 chosen = scoring.choose(
                     endpoints, call.profile, session=call.session, exclude=tried
@@ -633,8 +557,10 @@ class Gateway:
             except LookupError:
                 return  # removed from the catalog meanwhile
 
-    def _fallbacks(self, call: _Call, model: ModelRecord) -> list[ModelRecord]:
-        found = []
+    def _candidates(self, call: _Call, model: ModelRecord) -> Iterator[ModelRecord]:
+        """The model asked for, then its fallbacks the key may use, looked up
+        only when the ones before could not take the request."""
+        yield model
         for name in model.fallbacks:
             fallback = self.resolve(name)
             if fallback is None or fallback.stopped or fallback.name == model.name:
@@ -645,8 +571,7 @@ class Gateway:
                 and not self._accountant.allowed(call.path, fallback.name)
             ):
                 continue  # prompts go only where the key may send them
-            found.append(fallback)
-        return found
+            yield fallback
 
     async def _route(
         self, scope: Scope, send: Send, call: _Call, doc: dict[str, Any], model: ModelRecord
@@ -654,27 +579,28 @@ class Gateway:
         if call.profile == "chat":
             call.session = scoring.session_key(doc, scope["headers"])
         tried: set[str] = set()
-        body: bytes | None = None
-        body_for: str | None = None
-        pass_usage = False
         if call.stream:
             options = doc.get("stream_options")
-            pass_usage = isinstance(options, dict) and options.get("include_usage") is True
-            call.pass_usage = pass_usage
-            if not pass_usage:
+            call.pass_usage = isinstance(options, dict) and options.get("include_usage") is True
+            if not call.pass_usage:
                 # Always ask the engine for the final usage; the relay keeps
                 # it from a client that did not ask.
                 doc["stream_options"] = {**(options or {}), "include_usage": True}
+                call.body = None
+        # The client's own bytes go on while they name the model served.
+        body, body_for = call.body, doc["model"] if call.body is not None else None
         for attempt in range(MAX_ATTEMPTS):
             target, endpoint = await self._targets(call, model, tried)
             upstream_model = target.external.model if target.external is not None else target.name
-            if body_for != upstream_model:
+            if body is None or body_for != upstream_model:
                 doc["model"] = upstream_model
                 body, body_for = orjson.dumps(doc), upstream_model
-            assert body is not None
             call.served = target.name
-            last = attempt == MAX_ATTEMPTS - 1 or not self._more(call, model, tried, endpoint)
-            if await self._forward(send, call, body, endpoint, pass_usage, last=last):
+
+            def can_retry(attempt: int = attempt, endpoint: Endpoint = endpoint) -> bool:
+                return attempt < MAX_ATTEMPTS - 1 and self._more(call, model, tried, endpoint)
+
+            if await self._forward(send, call, body, endpoint, can_retry):
                 return
             tried.add(endpoint.replica_id)
 
@@ -682,7 +608,7 @@ class Gateway:
         """Whether another endpoint could take a retry."""
         skip = {*tried, endpoint.replica_id}
         now = time.monotonic()
-        for target in (model, *self._fallbacks(call, model)):
+        for target in self._candidates(call, model):
             for other in self._endpoints(target):
                 if other.replica_id not in skip and other.breaker.available(now):
                     return True
@@ -707,13 +633,12 @@ class Gateway:
         call: _Call,
         body: bytes,
         endpoint: Endpoint,
-        pass_usage: bool,
-        *,
-        last: bool,
+        can_retry: Callable[[], bool],
     ) -> bool:
         """One attempt on ``endpoint``. ``True`` when the client got an
         answer (good or not); ``False`` when it failed before any byte was
-        sent and another endpoint should be tried (never when ``last``)."""
+        sent and another endpoint should be tried (only when ``can_retry()``,
+        asked only once it failed)."""
         path = endpoint.path_prefix.encode() + _UPSTREAM_PATH[call.kind]
         headers = [
             (b"authorization", endpoint.authorization),
@@ -734,7 +659,7 @@ class Gateway:
             except (UpstreamError, trio.TooSlowError) as exc:
                 endpoint.breaker.failure(time.monotonic())
                 log.warning("endpoint %s did not answer: %r", endpoint.label, exc)
-                if not last:
+                if can_retry():
                     return False
                 raise ApiError(
                     502,
@@ -744,7 +669,7 @@ class Gateway:
                 ) from exc
             async with response:
                 status = response.status
-                if status != 200 and not last and _retryable(endpoint, status):
+                if status != 200 and _retryable(endpoint, status) and can_retry():
                     retry_after = parse_retry_after_s(response.header(b"retry-after"), time.time())
                     if endpoint.external and status in (401, 403):
                         # A refused key sits out like one at its limit.
@@ -884,7 +809,7 @@ class Gateway:
                 if out:
                     if call.ttft_s is None and shape.content_chunks:
                         call.ttft_s = time.perf_counter() - call.started
-                    if shape.ended:
+                    if shape.done:
                         # The answer is complete once its end is on its way:
                         # a client may close right after it got everything.
                         call.finished = True
@@ -894,7 +819,7 @@ class Gateway:
                         if kept is not None:
                             kept.append(out)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-            ended = shape.ended
+            ended = shape.done
             rest = shape.finish()
             call.finished = True
             status = 200
@@ -905,7 +830,7 @@ class Gateway:
         except UpstreamError:
             # The engine broke off mid-answer. Say so in the stream (the openai
             # client raises it as an APIError) and end the answer cleanly.
-            if not shape.ended:
+            if not shape.done:
                 await send(
                     {"type": "http.response.body", "body": _broken(call), "more_body": False}
                 )
@@ -914,7 +839,7 @@ class Gateway:
         except trio.Cancelled:
             # Cut short: the client left (then this is dropped), or the stop's
             # grace ran out (then the client is told, not left with a torn stream).
-            if not shape.ended:
+            if not shape.done:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     await send(
                         {"type": "http.response.body", "body": _cut(call), "more_body": False}
@@ -930,24 +855,20 @@ class Gateway:
                     prompt_tokens=call.prompt_estimate, completion_tokens=shape.content_chunks
                 )
             if call.finished:
-                self._finish(call, 200 if shape.ended else status, call.usage)
+                self._finish(call, 200 if shape.done else status, call.usage)
 
     def _stream_shape(self, call: _Call) -> _StreamShape:
         if call.kind == "messages":
-            return _TranslatedStream(
-                anthropic.MessagesStream(
-                    call.client_model,
-                    anthropic.new_message_id(),
-                    input_tokens=call.prompt_estimate,
-                )
+            return anthropic.MessagesStream(
+                call.client_model,
+                anthropic.new_message_id(),
+                input_tokens=call.prompt_estimate,
             )
         if call.kind == "responses":
-            return _TranslatedStream(
-                responses.ResponsesStream(
-                    call.client_model, responses.new_response_id(), request=call.client_doc
-                )
+            return responses.ResponsesStream(
+                call.client_model, responses.new_response_id(), request=call.client_doc
             )
-        return _OpenAIStream(call.pass_usage)
+        return SseRelay(pass_usage=call.pass_usage)
 
     # --- the answer cache --------------------------------------------------------------
 
@@ -1062,6 +983,7 @@ class _Call:
     """One client request as it goes through the gateway."""
 
     __slots__ = (
+        "body",
         "cache_hit",
         "cache_key",
         "cache_ttl_s",
@@ -1117,6 +1039,8 @@ class _Call:
         #: Seconds the gateway itself took before the request went upstream.
         self.overhead_s = 0.0
         self.cache_key: bytes | None = None
+        #: The client's body, while it can be sent on as it came.
+        self.body: bytes | None = None
         self.cache_ttl_s: float | None = None
         self.cache_hit = False
         self.usage: Usage | None = None
@@ -1190,23 +1114,6 @@ def _bands(settings: Any) -> list[Band]:
         Band(name=b.name, priority=b.priority, saturation=b.saturation, queue_ttl_s=b.queue_ttl)
         for b in settings
     ]
-
-
-def _engine_of(model: ModelRecord) -> str:
-    profile = model.profile
-    return profile.engine if profile is not None else ""
-
-
-def _without_jinja(model: ModelRecord) -> bool:
-    """The model's profile runs llama.cpp with ``--no-jinja``: llama.cpp then
-    answers any request with tools 500 "tools param requires --jinja flag"."""
-    profile = model.profile
-    return (
-        profile is not None
-        and profile.engine == "llamacpp"
-        and "--no-jinja" in profile.args
-        and "--jinja" not in profile.args
-    )
 
 
 def _capacity(endpoints: list[Endpoint], model: ModelRecord) -> int:

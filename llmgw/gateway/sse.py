@@ -67,7 +67,7 @@ class SseRelay:
         self._buffer = b""
         self.usage: Usage | None = None
         self.content_chunks = 0
-        self.saw_done = False
+        self.done = False
 
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return what the client should get now (may be empty)."""
@@ -81,7 +81,7 @@ class SseRelay:
             # The common case: content chunks only. Count them without parsing.
             self.content_chunks += complete.count(b"data: {")
             if b"data: [DONE]" in complete:
-                self.saw_done = True
+                self.done = True
             return complete
         out: list[bytes] = []
         for event in complete.split(_EVENT_END):
@@ -92,8 +92,9 @@ class SseRelay:
                 out.append(kept + _EVENT_END)
         return b"".join(out)
 
-    def flush(self) -> bytes:
-        """Whatever is left when the engine closes the stream."""
+    def finish(self) -> bytes:
+        """Whatever is left when the engine closes the stream (the same
+        contract as the Anthropic and Responses translators' ``finish``)."""
         rest, self._buffer = self._buffer, b""
         return rest
 
@@ -103,7 +104,7 @@ class SseRelay:
         if data is None:
             return event
         if data == b"[DONE]":
-            self.saw_done = True
+            self.done = True
             return event
         if b'"usage"' not in data:
             self.content_chunks += 1

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from llmgw.engines.llamacpp import LlamaCppAdapter
-from llmgw.engines.registry import check_args, check_env, get_adapter, normalise_flag
+from llmgw.engines.registry import (
+    check_args,
+    check_env,
+    get_adapter,
+    normalise_flag,
+    unsupported_request,
+)
 from llmgw.engines.sim import SimAdapter
 
 
@@ -126,3 +132,18 @@ def test_tuning_variables_are_allowed() -> None:
 def test_other_variables_are_refused_with_their_reason(name: str, reason: str) -> None:
     with pytest.raises(ValueError, match=rf"{name} is refused: it {reason}"):
         check_env({name: "x"})
+
+
+def test_what_an_engine_cannot_do_of_a_request_names_the_field() -> None:
+    tools = {"tools": [{"type": "function", "function": {"name": "f"}}]}
+    no_jinja = ("--chat-template", "gemma", "--no-jinja")
+    refused = unsupported_request("llamacpp", no_jinja, tools)
+    assert refused is not None
+    assert refused[0] == "tools"
+    assert unsupported_request("llamacpp", ("--jinja",), tools) is None
+    assert unsupported_request("llamacpp", (), {"n": 2}) == (
+        "n",
+        "runs on the llamacpp engine, which answers one choice: 'n' must be 1",
+    )
+    assert unsupported_request("sim", (), {"n": 2, **tools}) is None
+    assert unsupported_request("llamacpp", no_jinja, {"n": 1, "tools": []}) is None

@@ -39,7 +39,7 @@ def test_usage_is_read_and_passed_on_when_the_client_asked() -> None:
         relay.usage.completion_tokens,
         relay.usage.cached_tokens,
     ) == (7, 2, 3)
-    assert relay.saw_done
+    assert relay.done
 
 
 def test_the_usage_only_chunk_is_dropped_when_the_client_did_not_ask() -> None:

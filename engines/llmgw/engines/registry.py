@@ -9,7 +9,8 @@ variable and the reason.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.llamacpp import LlamaCppAdapter
@@ -23,6 +24,7 @@ __all__ = [
     "check_args",
     "check_env",
     "get_adapter",
+    "unsupported_request",
 ]
 
 #: Engines :func:`get_adapter` can build.
@@ -300,3 +302,29 @@ def check_env(env: Mapping[str, str] | Iterable[str]) -> None:
         reason = _env_refusal(name)
         if reason is not None:
             raise ValueError(f"environment variable {name} is refused: it {reason}")
+
+
+#: Engines that answer ``n`` choices in one request.
+_ANSWER_N_CHOICES = frozenset({"sim", "vllm", "sglang"})
+
+
+def unsupported_request(
+    engine: str, args: Sequence[str], doc: Mapping[str, Any]
+) -> tuple[str, str] | None:
+    """What an engine run with ``args`` cannot do of a chat or completions
+    request ``doc``: ``(field, why)`` for the first such field, else None.
+
+    - ``n`` other than 1 on engines that answer one choice (llama.cpp);
+    - ``tools`` on llama.cpp run with ``--no-jinja``: its built-in templates
+      take none (it answers 500 "tools param requires --jinja flag").
+    """
+    if doc.get("tools") and engine == "llamacpp" and "--no-jinja" in args and "--jinja" not in args:
+        return (
+            "tools",
+            "runs on llama.cpp without Jinja templates (--no-jinja), which cannot take "
+            "tools; ask for a model whose profile runs with --jinja",
+        )
+    n = doc.get("n")
+    if n is not None and n != 1 and engine not in _ANSWER_N_CHOICES:
+        return "n", f"runs on the {engine} engine, which answers one choice: 'n' must be 1"
+    return None
