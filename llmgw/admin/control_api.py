@@ -264,8 +264,8 @@ def _node_view(node_id: str, cluster: Cluster) -> dict[str, Any]:
         "memory_total_mb": hardware.memory_total_mb,
         "memory_available_mb": node.memory_available_mb,
         "load_1m": node.load_1m,
-        "memory_bandwidth_gbps": node.memory_bandwidth_gbps or hardware.memory_bandwidth_gbps,
-        "core_bandwidth_gbps": node.core_bandwidth_gbps or hardware.core_bandwidth_gbps,
+        "memory_bandwidth_gbps": node.memory_bandwidth_gbps,
+        "core_bandwidth_gbps": node.core_bandwidth_gbps,
         # What the replicas here hold, to set beside what the node has.
         "reserved": {
             "memory_gb": round(room.memory_gb, 3),

@@ -159,9 +159,14 @@ class NodeInfo:
     gpus: tuple[protocol.Gpu, ...] = ()
     disconnected_at: float | None = None
     #: Measured memory read bandwidth, whole machine and one core, GB/s: the
-    #: latest figures the agent sent (0 until it has measured).
-    memory_bandwidth_gbps: float = 0.0
-    core_bandwidth_gbps: float = 0.0
+    #: latest figures the agent sent (at first its registration's; 0 until
+    #: it has measured).
+    memory_bandwidth_gbps: float = attrs.field(
+        default=attrs.Factory(lambda node: node.hardware.memory_bandwidth_gbps, takes_self=True)
+    )
+    core_bandwidth_gbps: float = attrs.field(
+        default=attrs.Factory(lambda node: node.hardware.core_bandwidth_gbps, takes_self=True)
+    )
 
 
 @attrs.define(kw_only=True)
