@@ -25,6 +25,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
+from llmgw import errors
 from llmgw.accounting.budgets import PERIODS, Budgets, Period, period_end
 from llmgw.accounting.limiter import Counts, Limiter
 from llmgw.accounting.prices import PriceBook
@@ -96,7 +97,7 @@ class ScopeLimits:
         return self.budget_day_micros if period == "day" else self.budget_month_micros
 
 
-class Refused(Exception):
+class Refused(errors.Refused):
     """A request the accountant will not let through.
 
     Attributes:
@@ -107,8 +108,6 @@ class Refused(Exception):
         retry_after_s: whole seconds for ``Retry-After``, or ``None``.
         scope: the counter name of the level that refused.
     """
-
-    type: str
 
     def __init__(
         self, status: int, code: str, message: str, retry_after_s: int | None, scope: str

@@ -84,12 +84,12 @@ from llmgw.agent.protocol import ShardState
 from llmgw.auth.tree import parse_project_path
 from llmgw.control.catalog import CatalogError, parse_model, validate_model
 from llmgw.control.cluster import Cluster, ShardInfo, engine_key
-from llmgw.control.live import RESTART_KEYS, LiveSettings, changed_keys, with_key
+from llmgw.control.live import RESTART_KEYS, LiveSettings
 from llmgw.control.placement import explain, gpu_class_of, node_room
 from llmgw.control.planning import ModelFacts, PlanningError, read_model_facts
 from llmgw.control.reconciler import wanted_replicas
-from llmgw.control.settings import SettingsError, parse_duration_s
 from llmgw.gateway.errors import error_body
+from llmgw.settings import SettingsError, changed_keys, parse_duration_s, with_key
 from llmgw.store import Conflict, ModelRecord, Store, StoreError, model_to_doc
 
 __all__ = [

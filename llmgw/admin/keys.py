@@ -27,7 +27,7 @@ import trio
 from llmgw.accounting.accountant import Accountant
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver, parse_project_path
-from llmgw.control.settings import AuthSettings, parse_duration_s
+from llmgw.settings import AuthSettings, parse_duration_s
 from llmgw.store import KeyRecord, Store
 from llmgw.store.records import Limits, Org, Project, ProjectPath, Team
 

@@ -15,6 +15,7 @@ from typing import Final
 
 import attrs
 
+from llmgw import errors
 from llmgw.store import KeyRecord, Store, StoreError
 
 __all__ = ["KEY_PREFIX", "KeyAuthenticator", "KeyRefused", "hash_key", "new_key"]
@@ -50,8 +51,11 @@ def new_key(
     return secret, record
 
 
-class KeyRefused(Exception):
-    """A presented key is not accepted; the message says why, for the caller."""
+class KeyRefused(errors.Refused):
+    """A presented key is not accepted (401); the message says why, for the caller."""
+
+    status = 401
+    code = "invalid_api_key"
 
 
 @attrs.define

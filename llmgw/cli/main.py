@@ -155,8 +155,8 @@ def up(
     import trio
 
     from llmgw.agent.weights import WeightsMismatch
-    from llmgw.control.settings import SettingsError
     from llmgw.control.up import UpError, UpOptions, run_up
+    from llmgw.settings import SettingsError
 
     for name, value in (
         ("--listen", listen),

@@ -43,9 +43,10 @@ from urllib.parse import urlsplit
 import attrs
 import yaml
 
+from llmgw import errors
 from llmgw.control.planning import ModelFacts, suggested_min_memory_gb, tp_fits_kv_heads
-from llmgw.control.settings import parse_duration_s
 from llmgw.engines.registry import check_args, check_env, get_adapter
+from llmgw.settings import parse_duration_s
 from llmgw.store._catalog_json import model_from_doc
 from llmgw.store.records import ModelRecord, Profile
 
@@ -70,7 +71,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 _SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
-class CatalogError(ValueError):
+class CatalogError(errors.InvalidInput):
     """A catalog entry is not valid.
 
     Attributes:

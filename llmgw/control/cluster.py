@@ -22,9 +22,8 @@ import trio
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
 from llmgw.router.breaker import Breaker
+from llmgw.settings import ServerSettings
 from llmgw.store import ModelRecord, Profile, profile_fingerprint
-
-from .settings import ServerSettings
 
 __all__ = [
     "Cluster",

@@ -2,7 +2,7 @@
 every control plane within about a second
 (``shared/spec/reconciler-and-lifecycle.md``, Cluster settings in the store).
 
-The document is the whole :class:`~llmgw.control.settings.ServerSettings`
+The document is the whole :class:`~llmgw.settings.ServerSettings`
 unstructured to plain JSON types (durations as seconds), kept by the store
 with a version counter and its history (``settings_history``):
 
@@ -32,18 +32,22 @@ from __future__ import annotations
 
 import copy
 import logging
-import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Final, NoReturn
 
-import attrs
-import cattrs
 import trio
 
+from llmgw.settings import (
+    ServerSettings,
+    SettingsError,
+    changed_keys,
+    check_doc_keys,
+    settings_from_doc,
+    settings_to_doc,
+)
 from llmgw.store import Conflict, Store, StoreError
 
 from .cluster import Cluster
-from .settings import ServerSettings, SettingsError, settings_from_doc
 
 #: Settings read once when a control plane starts: a change applies at the
 #: next start (the admin API says so when one is changed).
@@ -59,12 +63,7 @@ __all__ = [
     "POLL_S",
     "RESTART_KEYS",
     "LiveSettings",
-    "changed_keys",
-    "check_doc_keys",
-    "check_key_path",
     "serve_settings",
-    "settings_to_doc",
-    "with_key",
 ]
 
 log = logging.getLogger("llmgw.control.live")
@@ -74,128 +73,6 @@ POLL_S: Final = 1.0
 #: Tries of a read-change-write that keeps meeting concurrent writers.
 UPDATE_TRIES: Final = 5
 SEED_ACTOR: Final = "server.yaml"
-
-_unstructurer = cattrs.Converter()
-
-
-def settings_to_doc(settings: ServerSettings) -> dict[str, Any]:
-    """``settings`` as plain JSON types, every key present (durations in
-    seconds, tuples as lists); :func:`settings_from_doc` reads it back equal."""
-    doc: dict[str, Any] = _unstructurer.unstructure(settings)
-    return doc
-
-
-def check_key_path(key: str) -> None:
-    """Check that the dotted ``key`` names a setting (``router.admission.bands``,
-    ``auth.pricing.gemma-3-270m``, ``on_demand``).
-
-    Blocks may be named whole; inside a mapping of names (``auth.pricing``)
-    any name is accepted. A path cannot go into a list (``router.admission.bands.0``).
-
-    Raises:
-        SettingsError: an empty part, an unknown name (the message lists the
-            names the block has), or a path below a single value.
-    """
-    parts = key.split(".")
-    if not key or any(not part for part in parts):
-        raise SettingsError(f"{key!r} is not a dotted key like router.admission.bands")
-    kind: Any = ServerSettings
-    for at, part in enumerate(parts):
-        above = ".".join(parts[:at]) or "the top level"
-        if isinstance(kind, type) and attrs.has(kind):
-            hints = typing.get_type_hints(kind)
-            if part not in hints:
-                raise SettingsError(
-                    f"{'.'.join(parts[: at + 1])}: no such setting; {above} has "
-                    f"{', '.join(sorted(hints))}"
-                )
-            kind = hints[part]
-        elif typing.get_origin(kind) in (Mapping, dict):
-            kind = typing.get_args(kind)[1]
-        else:
-            what = (
-                "a list: set it whole"
-                if typing.get_origin(kind) in (tuple, list)
-                else "a single value"
-            )
-            raise SettingsError(f"{'.'.join(parts[: at + 1])}: no such setting; {above} is {what}")
-
-
-def check_doc_keys(doc: Mapping[str, Any]) -> None:
-    """Refuse a key the settings do not have anywhere in ``doc``, naming its
-    whole path and what its block has (``serving.paused: no such setting;
-    serving has stopped``). Values are left to :func:`settings_from_doc`.
-
-    Raises:
-        SettingsError: the first unknown key found.
-    """
-    _check_keys(doc, ServerSettings, "")
-
-
-def _check_keys(value: Any, kind: Any, path: str) -> None:
-    if isinstance(kind, type) and attrs.has(kind):
-        if not isinstance(value, Mapping):
-            return
-        hints = typing.get_type_hints(kind)
-        for name, below in value.items():
-            here = f"{path}{name}"
-            if name not in hints:
-                block = path.rstrip(".") or "the top level"
-                raise SettingsError(
-                    f"{here}: no such setting; {block} has {', '.join(sorted(hints))}"
-                )
-            _check_keys(below, hints[name], f"{here}.")
-    elif typing.get_origin(kind) in (Mapping, dict) and isinstance(value, Mapping):
-        inner = typing.get_args(kind)[1]
-        for name, below in value.items():
-            _check_keys(below, inner, f"{path}{name}.")
-    elif typing.get_origin(kind) is tuple and isinstance(value, list | tuple):
-        inner = typing.get_args(kind)[0]
-        for at, below in enumerate(value):
-            _check_keys(below, inner, f"{path.rstrip('.')}[{at}].")
-
-
-def with_key(doc: Mapping[str, Any], key: str, value: Any) -> dict[str, Any]:
-    """A copy of ``doc`` with the dotted ``key`` set to ``value`` (blocks on
-    the way made when missing). Not validated: pass the result through
-    :func:`settings_from_doc`.
-
-    Raises:
-        SettingsError: ``key`` names no setting (:func:`check_key_path`).
-    """
-    check_key_path(key)
-    out = copy.deepcopy(dict(doc))
-    parts = key.split(".")
-    here = out
-    for part in parts[:-1]:
-        below = here.get(part)
-        if not isinstance(below, dict):
-            below = {}
-            here[part] = below
-        here = below
-    here[parts[-1]] = value
-    return out
-
-
-def changed_keys(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
-    """The dotted keys whose values differ between two documents, sorted
-    (lists compare whole)."""
-
-    def flatten(doc: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> dict[str, Any]:
-        for name, value in doc.items():
-            if isinstance(value, Mapping):
-                flatten(value, f"{prefix}{name}.", out)
-            else:
-                out[f"{prefix}{name}"] = value
-        return out
-
-    old, new = flatten(before, "", {}), flatten(after, "", {})
-    return sorted(
-        k for k in old.keys() | new.keys() if old.get(k, _MISSING) != new.get(k, _MISSING)
-    )
-
-
-_MISSING: Final = object()
 
 
 class LiveSettings:

@@ -54,6 +54,8 @@ from typing import Any, Final, Literal
 
 import attrs
 
+from llmgw import errors
+
 __all__ = [
     "CPU_BANDWIDTH_EFFICIENCY",
     "CPU_PER_TOKEN_S",
@@ -102,7 +104,7 @@ _SLOW_REPLY_S: Final = 120.0
 Format = Literal["gguf", "safetensors"]
 
 
-class PlanningError(ValueError):
+class PlanningError(errors.InvalidInput):
     """A model's files cannot be read as a model: missing, not GGUF, no
     ``config.json``, a header that is cut short or inconsistent. The message
     names the file and what is wrong."""

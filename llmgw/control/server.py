@@ -30,19 +30,19 @@ from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.admin.app import make_admin_app
 from llmgw.admin.keys import KeysService
+from llmgw.asgi import answer_lifespan
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
-from llmgw.engines.asgi import answer_lifespan
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
 from llmgw.router.engine_metrics import serve_engine_metrics
+from llmgw.settings import ServerSettings
 from llmgw.store import Store, StoreError
 
 from .cluster import Cluster
 from .hub import serve_agent_hub
 from .live import LiveSettings, serve_settings
 from .reconciler import PortRange, serve_reconciler
-from .settings import ServerSettings
 
 __all__ = ["Addresses", "ServerConfig", "serve_control_plane"]
 

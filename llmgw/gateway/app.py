@@ -37,10 +37,10 @@ from llmgw.accounting.accountant import Accountant, Refused, Reservation
 from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter
 from llmgw.agent.protocol import ShardState
+from llmgw.asgi import answer_lifespan
 from llmgw.auth.keys import KeyAuthenticator, KeyRefused
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster, Endpoint
-from llmgw.engines.asgi import answer_lifespan
 from llmgw.engines.registry import unsupported_request
 from llmgw.router import scoring
 from llmgw.router.admission import Admission, AdmissionTimeout, Band

@@ -56,7 +56,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from llmgw.control.settings import parse_duration_s
+from llmgw.settings import parse_duration_s
 
 __all__ = [
     "DEFAULT_BANDS",

@@ -17,7 +17,8 @@ from llmgw.accounting.accountant import (
     ScopeLimits,
     format_reset,
 )
-from llmgw.accounting.prices import Price, PriceBook
+from llmgw.accounting.prices import PriceBook
+from llmgw.settings import Price
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, 10, tzinfo=dt.UTC).timestamp()
 GPT = Price(prompt_per_1k=1000, completion_per_1k=3000)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.accounting.prices import Price, PriceBook, div_up
+from llmgw.accounting.prices import PriceBook
+from llmgw.settings import Price, div_up
 
 BASIC = Price(prompt_per_1k=1000, completion_per_1k=3000)
 CACHED = Price(prompt_per_1k=1000, cached_per_1k=100, completion_per_1k=3000)

@@ -19,7 +19,7 @@ from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo, engine_key
 from llmgw.control.live import LiveSettings
-from llmgw.control.settings import AuthSettings, ServerSettings
+from llmgw.settings import AuthSettings, ServerSettings
 from llmgw.store import ModelRecord, Profile, Store, open_sqlite_store
 
 

@@ -29,7 +29,7 @@ from llmgw.cli.main import cli
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo
 from llmgw.control.live import LiveSettings
 from llmgw.control.server import serve_asgi
-from llmgw.control.settings import AuthSettings, ServerSettings
+from llmgw.settings import AuthSettings, ServerSettings
 from llmgw.store import Store, open_sqlite_store
 
 

@@ -17,7 +17,7 @@ from llmgw.control.cluster import (
     replica_fingerprint,
     replica_id_for,
 )
-from llmgw.control.settings import OnDemandSettings, ServerSettings
+from llmgw.settings import OnDemandSettings, ServerSettings
 from llmgw.store import ModelRecord, Profile
 
 HARDWARE = protocol.Hardware(cpu_count=4, memory_total_mb=16384)

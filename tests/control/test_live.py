@@ -16,22 +16,18 @@ import pytest
 import trio
 
 from llmgw.control.cluster import Cluster
-from llmgw.control.live import (
-    POLL_S,
-    LiveSettings,
-    changed_keys,
-    check_doc_keys,
-    check_key_path,
-    serve_settings,
-    settings_to_doc,
-    with_key,
-)
-from llmgw.control.settings import (
+from llmgw.control.live import POLL_S, LiveSettings, serve_settings
+from llmgw.settings import (
     OnDemandSettings,
     ServerSettings,
     ServingSettings,
     SettingsError,
+    changed_keys,
+    check_doc_keys,
+    check_key_path,
     settings_from_doc,
+    settings_to_doc,
+    with_key,
 )
 from llmgw.store import Conflict, Store, StoreError
 from llmgw.store.records import SettingChange

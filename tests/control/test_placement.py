@@ -19,7 +19,7 @@ from llmgw.control.placement import (
     gpus_wanted,
     place,
 )
-from llmgw.control.settings import NodesSettings, ServerSettings
+from llmgw.settings import NodesSettings, ServerSettings
 from llmgw.store import ModelRecord, Profile
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -18,7 +18,7 @@ from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
 from llmgw.control.cluster import Cluster, replica_fingerprint
 from llmgw.control.reconciler import restart_delay_s, serve_reconciler, slot_profiles
-from llmgw.control.settings import (
+from llmgw.settings import (
     NodesSettings,
     OnDemandSettings,
     ServerSettings,

@@ -30,6 +30,8 @@ from typing import Final
 import attrs
 import numpy as np
 
+from llmgw import errors
+
 __all__ = [
     "MAX_BUFFER_BYTES",
     "MIN_BUFFER_BYTES",
@@ -53,7 +55,7 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)", re.IGNORECASE)
 _SIZE_UNIT: Final = {"": 1, "K": 1024, "M": MIB, "G": 1024 * MIB}
 
 
-class BandwidthError(RuntimeError):
+class BandwidthError(errors.AgentError, RuntimeError):
     """Nothing was measured: not enough memory for a buffer of the minimum
     size (the message gives the figures), or the buffer could not be had."""
 

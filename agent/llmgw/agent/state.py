@@ -38,6 +38,7 @@ import attrs
 import cattrs
 from cattrs.preconf.json import make_converter
 
+from llmgw import errors
 from llmgw.agent.protocol import StartShard
 
 __all__ = [
@@ -62,7 +63,7 @@ _SAFE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _BOOT_ID: Final = Path("/proc/sys/kernel/random/boot_id")
 
 
-class StateDirBusy(RuntimeError):
+class StateDirBusy(errors.AgentError, RuntimeError):
     """Another agent process holds the state directory's lock."""
 
 

@@ -19,6 +19,8 @@ from typing import Final
 
 import trio
 
+from llmgw import errors
+
 __all__ = [
     "STARTER_MODEL_NAME",
     "WeightsMismatch",
@@ -35,7 +37,7 @@ STARTER_MODEL_NAME: Final = "gemma-3-270m"
 _BLOCK_BYTES: Final = 1024 * 1024
 
 
-class WeightsMismatch(Exception):
+class WeightsMismatch(errors.AgentError):
     """A weights file's sha256 is not the expected one; the file was deleted.
 
     Attributes:

@@ -84,7 +84,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from llmgw.engines.asgi import answer_lifespan
+from llmgw.asgi import answer_lifespan
 from llmgw.engines.base import Command, ShardLaunch, engine_env
 
 __all__ = [

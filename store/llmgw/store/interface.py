@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from llmgw import errors
+
 from .records import (
     KeyRecord,
     Lease,
@@ -32,9 +34,10 @@ from .records import (
 
 __all__ = ["Conflict", "Store", "StoreError"]
 
-
-class StoreError(Exception):
-    """The database failed or could not be reached; the cause is chained."""
+# The database failed or could not be reached; the cause is chained.
+# One class, shared with the error tree, so ``except llmgw.errors.StoreError``
+# catches the store's errors.
+StoreError = errors.StoreError
 
 
 class Conflict(StoreError):

@@ -23,8 +23,10 @@ Durations are numbers of seconds or strings like ``45s``, ``30m``, ``12h``,
 
 from __future__ import annotations
 
+import copy
 import math
 import re
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Optional
@@ -33,7 +35,7 @@ import attrs
 import cattrs
 import yaml
 
-from llmgw.accounting.prices import Price
+from llmgw.errors import InvalidInput
 
 __all__ = [
     "DEFAULT_BANDS",
@@ -43,21 +45,110 @@ __all__ = [
     "CacheSettings",
     "NodesSettings",
     "OnDemandSettings",
+    "Price",
     "RouterSettings",
     "ServerSettings",
     "ServingSettings",
     "SettingsError",
     "TimeoutSettings",
+    "changed_keys",
+    "check_doc_keys",
+    "check_key_path",
+    "div_up",
     "load_settings",
     "parse_duration_s",
     "settings_from_doc",
+    "settings_to_doc",
+    "with_key",
 ]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNIT_S: Final = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-class SettingsError(ValueError):
+def div_up(a: int, b: int) -> int:
+    """Integer ceiling of ``a / b`` (``b > 0``), so a single token still costs something."""
+    return -(-a // b)
+
+
+def _micros(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{attribute.name} must be a whole number of micro-units, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{attribute.name} must not be negative, got {value}")
+
+
+@attrs.frozen
+class Price:
+    """A model's price; every field in integer micro-units.
+
+    Attributes:
+        prompt_per_1k: micro-units per 1,000 prompt tokens (= units per million).
+        completion_per_1k: micro-units per 1,000 completion tokens.
+        cached_per_1k: micro-units per 1,000 cached prompt tokens; 0 means
+            "same as ``prompt_per_1k``".
+        per_image: micro-units per image produced.
+        per_mesh: micro-units per 3D model produced.
+    """
+
+    prompt_per_1k: int = attrs.field(default=0, validator=_micros)
+    completion_per_1k: int = attrs.field(default=0, validator=_micros)
+    cached_per_1k: int = attrs.field(default=0, validator=_micros)
+    per_image: int = attrs.field(default=0, validator=_micros)
+    per_mesh: int = attrs.field(default=0, validator=_micros)
+
+    def is_zero(self) -> bool:
+        """True when every field is 0: such a model never trips a budget."""
+        return not (
+            self.prompt_per_1k
+            or self.completion_per_1k
+            or self.cached_per_1k
+            or self.per_image
+            or self.per_mesh
+        )
+
+    def zero(self) -> bool:
+        """The spec's name for :meth:`is_zero`."""
+        return self.is_zero()
+
+    def cost(
+        self, prompt: int, cached: int, completion: int, images: int = 0, meshes: int = 0
+    ) -> int:
+        """``cost_micros`` of a request, exactly as the spec's formula::
+
+            cached      = clamp(cached, 0, max(prompt, 0))
+            cached_rate = cached_per_1k if cached_per_1k != 0 else prompt_per_1k
+            cost = div_up((prompt - cached) * prompt_per_1k + cached * cached_rate, 1000)
+                 + div_up(completion * completion_per_1k, 1000)
+                 + max(images, 0) * per_image
+                 + max(meshes, 0) * per_mesh
+
+        ``prompt`` counts every prompt token, the ``cached`` ones included.
+        """
+        cached = min(max(cached, 0), max(prompt, 0))
+        cached_rate = self.cached_per_1k if self.cached_per_1k != 0 else self.prompt_per_1k
+        return (
+            div_up((prompt - cached) * self.prompt_per_1k + cached * cached_rate, 1000)
+            + div_up(completion * self.completion_per_1k, 1000)
+            + max(images, 0) * self.per_image
+            + max(meshes, 0) * self.per_mesh
+        )
+
+    def max_cost(self, tokens: int, images: int = 0, meshes: int = 0) -> int:
+        """The most ``tokens`` tokens (plus images and meshes) can cost in
+        micro-units, whichever of prompt, cached or completion they turn out
+        to be: each token at the highest of the three rates. The accountant
+        reserves this against budgets before a request runs.
+        """
+        rate = max(self.prompt_per_1k, self.cached_per_1k, self.completion_per_1k)
+        return (
+            div_up(max(tokens, 0) * rate, 1000)
+            + max(images, 0) * self.per_image
+            + max(meshes, 0) * self.per_mesh
+        )
+
+
+class SettingsError(InvalidInput):
     """A settings file is not valid; the message names the key's path."""
 
 
@@ -309,3 +400,126 @@ def settings_from_doc(doc: Mapping[str, Any]) -> ServerSettings:
         raise SettingsError(messages.replace("$.", "").replace(" @ ", " at ")) from exc
     except (TypeError, ValueError) as exc:
         raise SettingsError(str(exc)) from exc
+
+
+_unstructurer = cattrs.Converter()
+
+
+def settings_to_doc(settings: ServerSettings) -> dict[str, Any]:
+    """``settings`` as plain JSON types, every key present (durations in
+    seconds, tuples as lists); :func:`settings_from_doc` reads it back equal."""
+    doc: dict[str, Any] = _unstructurer.unstructure(settings)
+    return doc
+
+
+def check_key_path(key: str) -> None:
+    """Check that the dotted ``key`` names a setting (``router.admission.bands``,
+    ``auth.pricing.gemma-3-270m``, ``on_demand``).
+
+    Blocks may be named whole; inside a mapping of names (``auth.pricing``)
+    any name is accepted. A path cannot go into a list (``router.admission.bands.0``).
+
+    Raises:
+        SettingsError: an empty part, an unknown name (the message lists the
+            names the block has), or a path below a single value.
+    """
+    parts = key.split(".")
+    if not key or any(not part for part in parts):
+        raise SettingsError(f"{key!r} is not a dotted key like router.admission.bands")
+    kind: Any = ServerSettings
+    for at, part in enumerate(parts):
+        above = ".".join(parts[:at]) or "the top level"
+        if isinstance(kind, type) and attrs.has(kind):
+            hints = typing.get_type_hints(kind)
+            if part not in hints:
+                raise SettingsError(
+                    f"{'.'.join(parts[: at + 1])}: no such setting; {above} has "
+                    f"{', '.join(sorted(hints))}"
+                )
+            kind = hints[part]
+        elif typing.get_origin(kind) in (Mapping, dict):
+            kind = typing.get_args(kind)[1]
+        else:
+            what = (
+                "a list: set it whole"
+                if typing.get_origin(kind) in (tuple, list)
+                else "a single value"
+            )
+            raise SettingsError(f"{'.'.join(parts[: at + 1])}: no such setting; {above} is {what}")
+
+
+def check_doc_keys(doc: Mapping[str, Any]) -> None:
+    """Refuse a key the settings do not have anywhere in ``doc``, naming its
+    whole path and what its block has (``serving.paused: no such setting;
+    serving has stopped``). Values are left to :func:`settings_from_doc`.
+
+    Raises:
+        SettingsError: the first unknown key found.
+    """
+    _check_keys(doc, ServerSettings, "")
+
+
+def _check_keys(value: Any, kind: Any, path: str) -> None:
+    if isinstance(kind, type) and attrs.has(kind):
+        if not isinstance(value, Mapping):
+            return
+        hints = typing.get_type_hints(kind)
+        for name, below in value.items():
+            here = f"{path}{name}"
+            if name not in hints:
+                block = path.rstrip(".") or "the top level"
+                raise SettingsError(
+                    f"{here}: no such setting; {block} has {', '.join(sorted(hints))}"
+                )
+            _check_keys(below, hints[name], f"{here}.")
+    elif typing.get_origin(kind) in (Mapping, dict) and isinstance(value, Mapping):
+        inner = typing.get_args(kind)[1]
+        for name, below in value.items():
+            _check_keys(below, inner, f"{path}{name}.")
+    elif typing.get_origin(kind) is tuple and isinstance(value, list | tuple):
+        inner = typing.get_args(kind)[0]
+        for at, below in enumerate(value):
+            _check_keys(below, inner, f"{path.rstrip('.')}[{at}].")
+
+
+def with_key(doc: Mapping[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of ``doc`` with the dotted ``key`` set to ``value`` (blocks on
+    the way made when missing). Not validated: pass the result through
+    :func:`settings_from_doc`.
+
+    Raises:
+        SettingsError: ``key`` names no setting (:func:`check_key_path`).
+    """
+    check_key_path(key)
+    out = copy.deepcopy(dict(doc))
+    parts = key.split(".")
+    here = out
+    for part in parts[:-1]:
+        below = here.get(part)
+        if not isinstance(below, dict):
+            below = {}
+            here[part] = below
+        here = below
+    here[parts[-1]] = value
+    return out
+
+
+def changed_keys(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+    """The dotted keys whose values differ between two documents, sorted
+    (lists compare whole)."""
+
+    def flatten(doc: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+        for name, value in doc.items():
+            if isinstance(value, Mapping):
+                flatten(value, f"{prefix}{name}.", out)
+            else:
+                out[f"{prefix}{name}"] = value
+        return out
+
+    old, new = flatten(before, "", {}), flatten(after, "", {})
+    return sorted(
+        k for k in old.keys() | new.keys() if old.get(k, _MISSING) != new.get(k, _MISSING)
+    )
+
+
+_MISSING: Final = object()

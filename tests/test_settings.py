@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.accounting.prices import Price
-from llmgw.control.settings import SettingsError, load_settings, parse_duration_s, settings_from_doc
+from llmgw.settings import Price, SettingsError, load_settings, parse_duration_s, settings_from_doc
 
 
 def test_without_a_file_the_spec_defaults_apply() -> None:

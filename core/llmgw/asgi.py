@@ -1,0 +1,44 @@
+"""The ASGI types and small helpers shared by llmgw's own ASGI apps (the sim
+engine, the gateway, the admin API, the metrics listener)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import trio
+
+__all__ = ["Message", "Receive", "Scope", "Send", "answer_lifespan", "cancel_on_disconnect"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Any], Awaitable[None]]  # apps type their messages as dict or Mapping
+
+
+async def answer_lifespan(receive: Receive, send: Send) -> None:
+    """Answer an ASGI ``lifespan`` scope: startup, then shutdown, then return.
+
+    hypercorn 0.18 crashes at start (``ClosedResourceError``) when an app
+    just returns on this scope instead.
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` when the client disconnects (``http.disconnect``).
+
+    Run it beside a handler that has read the whole request body: any later
+    message on ``receive`` is the disconnect.
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
