@@ -56,8 +56,9 @@ import attrs
 import orjson
 import trio
 
-from llmgw.bench.load import LoadConfig, LoadResult, run_load
+from llmgw.bench.load import LoadConfig, run_load
 from llmgw.bench.overhead import _argv, _cpu_s, start_bench_gateway, start_sim_engine
+from llmgw.bench.results import LoadResult
 from llmgw.engines.testing import stop_process
 
 #: The LiteLLM release measured; change it here to measure another.
@@ -694,7 +695,7 @@ def errors_text(runs: Sequence[Run]) -> str:
 def _has_bench_load() -> bool:
     """Whether this llmgw has the ``llmgw bench load`` command."""
     try:
-        from llmgw.cli.main import bench
+        from llmgw.bench.cli import bench
     except ImportError:
         return False
     return "load" in getattr(bench, "commands", {})

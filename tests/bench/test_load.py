@@ -15,17 +15,15 @@ import pytest
 import trio
 from click.testing import CliRunner
 
-from llmgw.bench.load import (
+from llmgw.bench.cli import load_command
+from llmgw.bench.load import LoadConfig, run_load
+from llmgw.bench.response import (
     ChunkedDecoder,
-    LoadConfig,
-    LoadResult,
-    Percentiles,
-    ProtocolError,
+    HttpProtocolError,
     ResponseParser,
     StreamScanner,
-    load_command,
-    run_load,
 )
+from llmgw.bench.results import LoadResult, Percentiles
 from llmgw.engines.testing import open_sim
 
 KEY = "k" * 32
@@ -115,7 +113,7 @@ def test_chunked_decoder_one_whole_chunk_per_read() -> None:
     "wire", [b"zz\r\nhello\r\n", b"5\r\nhelloXX", b"-5\r\nhello\r\n", b"5 5\r\nhello\r\n"]
 )
 def test_chunked_decoder_refuses_bad_framing(wire: bytes) -> None:
-    with pytest.raises(ProtocolError):
+    with pytest.raises(HttpProtocolError):
         ChunkedDecoder().feed(wire)
 
 
@@ -228,7 +226,7 @@ def test_response_parser_error_answers_and_bodies_until_close() -> None:
     ],
 )
 def test_response_parser_refuses_bad_heads(head: bytes) -> None:
-    with pytest.raises(ProtocolError):
+    with pytest.raises(HttpProtocolError):
         ResponseParser().feed(head, 0.0)
 
 

@@ -35,7 +35,8 @@ import trio
 
 from llmgw.engines.testing import read_line, sim_argv, stop_process
 
-from .load import LoadConfig, LoadResult, run_load
+from .load import LoadConfig, run_load
+from .results import LoadResult
 
 __all__ = [
     "DEFAULT_RATES",

@@ -3,8 +3,8 @@
 The overhead benchmark runs this as its own process (pinned to its own core)
 so what it measures is the gateway: the same :class:`~llmgw.gateway.app.Gateway`
 as ``llmgw up``, with a key checked on every request, over a static endpoint
-instead of a reconciler and agents. Modes (``shared/spec/gateway-api.md``,
-Reference figures):
+instead of a reconciler and agents. Modes (figures in ``docs/performance.md``,
+"Overhead (llmgw bench overhead)"):
 
 - ``bare``: a key, no accounting (no usage rows);
 - ``accounted``: what ``llmgw up`` does per request: the key's path in the

@@ -1,0 +1,180 @@
+"""``llmgw bench …``: the benchmark commands, as one click group.
+
+- ``load``: streamed chat completions against any OpenAI-compatible server
+  (:mod:`llmgw.bench.load`);
+- ``overhead``: the latency and CPU the gateway adds over the sim engine, at
+  rising rates (:mod:`llmgw.bench.overhead`);
+- ``gateway``: the gateway alone in front of one engine, the process
+  ``overhead`` starts (:mod:`llmgw.bench.gateway`).
+
+The ``llmgw`` command mounts :data:`bench` as its ``bench`` group. The
+overhead and gateway modules, which pull in the whole gateway, are imported
+only when their command runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+import orjson
+import trio
+
+from .load import LoadConfig, run_load
+from .results import format_result
+
+if TYPE_CHECKING:
+    from .overhead import OverheadRow
+
+__all__ = ["bench"]
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks: what the gateway adds, and load against any OpenAI server."""
+
+
+@bench.command("load")
+@click.option("--url", required=True, help="The server, http://HOST:PORT.")
+@click.option("--key", default="", help="API key (Bearer); none when empty.")
+@click.option("--model", default="gemma-3-270m", show_default=True, help="The model asked for.")
+@click.option("--concurrency", type=click.IntRange(min=1), help="Closed loop: this many clients.")
+@click.option(
+    "--rate", type=click.FloatRange(min=0, min_open=True), help="Open loop: requests/s offered."
+)
+@click.option("--duration-s", default=10.0, show_default=True, help="Measured seconds.")
+@click.option("--warmup-s", default=1.0, show_default=True, help="Unmeasured seconds first.")
+@click.option("--prompt-words", default=16, show_default=True, help="Words per user message.")
+@click.option("--max-tokens", default=64, show_default=True, help="max_tokens of each request.")
+@click.option(
+    "--timeout-s", default=30.0, show_default=True, help="Deadline of each request, in seconds."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def load_command(
+    url: str,
+    key: str,
+    model: str,
+    concurrency: int | None,
+    rate: float | None,
+    duration_s: float,
+    warmup_s: float,
+    prompt_words: int,
+    max_tokens: int,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """Streamed chat completions against an OpenAI-compatible server.
+
+    Give --concurrency N (closed loop: N clients back to back) or --rate R
+    (open loop: R requests/s on a fixed schedule). Exits 1 when no request
+    succeeded.
+    """
+    if (concurrency is None) == (rate is None):
+        raise click.UsageError("give one of --concurrency and --rate")
+    try:
+        config = LoadConfig(
+            url=url,
+            api_key=key,
+            model=model,
+            concurrency=concurrency,
+            rate_per_s=rate,
+            duration_s=duration_s,
+            warmup_s=warmup_s,
+            prompt_words=prompt_words,
+            max_tokens=max_tokens,
+            request_timeout_s=timeout_s,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    result = trio.run(run_load, config)
+    if as_json:
+        click.echo(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        click.echo(format_result(result))
+    if result.requests == 0:
+        raise SystemExit(1)
+
+
+@bench.command("overhead")
+@click.option(
+    "--rates",
+    default=",".join(f"{r:g}" for r in (50, 100, 200, 300, 400, 600, 800, 1000)),
+    show_default=True,
+    help="Offered requests/s, rising, comma-separated.",
+)
+@click.option("--modes", default="bare,accounted", show_default=True, help="Gateway modes.")
+@click.option("--duration-s", default=5.0, show_default=True, help="Measured seconds per run.")
+@click.option("--warmup-s", default=1.0, show_default=True, help="Unmeasured seconds per run.")
+@click.option("--no-pin", is_flag=True, help="Do not pin the gateway and the engine to cores.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def overhead_command(
+    rates: str, modes: str, duration_s: float, warmup_s: float, no_pin: bool, as_json: bool
+) -> None:
+    """Latency and CPU the gateway adds over the sim engine, at rising rates."""
+    from .gateway import MODES
+    from .overhead import format_rows, run_overhead
+
+    try:
+        rate_list = [float(r) for r in rates.split(",") if r.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{rates!r} is not a list of numbers", param_hint="--rates"
+        ) from None
+    mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+    for mode in mode_list:
+        if mode not in MODES:
+            raise click.BadParameter(
+                f"{mode!r}: choose from {', '.join(MODES)}", param_hint="--modes"
+            )
+
+    def show(row: OverheadRow) -> None:
+        if not as_json:
+            click.echo(format_rows([row]).splitlines()[1], err=True)
+
+    if not as_json:
+        click.echo(format_rows([]), err=True)
+    rows = trio.run(
+        lambda: run_overhead(
+            rates=rate_list,
+            modes=mode_list,
+            duration_s=duration_s,
+            warmup_s=warmup_s,
+            pin=not no_pin,
+            on_row=show,
+        )
+    )
+    if as_json:
+        _print_json({"rows": [row.to_json() for row in rows]})
+
+
+@bench.command("gateway")
+@click.option("--engine-url", required=True, help="The engine, http://HOST:PORT.")
+@click.option("--engine-key", default="", help="The engine's key.")
+@click.option("--model", required=True, help="The model name the engine serves.")
+@click.option(
+    "--mode", type=click.Choice(["bare", "accounted"]), default="accounted", show_default=True
+)
+@click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT.")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+def gateway_command(
+    engine_url: str, engine_key: str, model: str, mode: str, listen: str, data_dir: Path
+) -> None:
+    """The gateway alone in front of one engine (started by `bench overhead`)."""
+    from .gateway import run_bench_gateway
+
+    trio.run(
+        lambda: run_bench_gateway(
+            engine_url=engine_url,
+            engine_key=engine_key,
+            model=model,
+            listen=listen,
+            mode=mode,
+            data_dir=data_dir,
+        )
+    )
+
+
+def _print_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=True))
