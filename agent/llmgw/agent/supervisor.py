@@ -227,8 +227,8 @@ class Supervisor:
         Holds the state directory's lock while it runs. Calls
         ``task_status.started()`` once the shards found in the state
         directory are adopted (each probed once, at most
-        :data:`~llmgw.agent.probes.PROBE_TIMEOUT_S`) and new ones can be started. Never returns
-        unless cancelled. When cancelled with ``owns_engines`` set, every
+        :data:`~llmgw.agent.probes.PROBE_TIMEOUT_S`) and new ones can be
+        started. Never returns unless cancelled. When cancelled with ``owns_engines`` set, every
         engine is stopped first (shielded, at most
         :data:`STOP_ALL_DEADLINE_S` seconds); otherwise engines keep running.
 
