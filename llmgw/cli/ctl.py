@@ -500,7 +500,8 @@ def model_plan(
 ) -> None:
     """Where PATH (a GGUF file, or a folder of safetensors) would fit in this
     cluster: layouts, memory per card, speed estimates."""
-    from llmgw.control.planning import PlanningError, PlanNode, format_plan, plan, read_model_facts
+    from llmgw.cli.plan_format import format_plan
+    from llmgw.control.planning import PlanningError, PlanNode, plan, read_model_facts
 
     try:
         facts = read_model_facts(path)

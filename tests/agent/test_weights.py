@@ -134,3 +134,32 @@ async def test_assemble_real_starter_model(tmp_path: Path) -> None:
     with open(path, "rb") as f:  # noqa: ASYNC230 -- four bytes from a local file
         assert f.read(4) == b"GGUF"
     assert os.listdir(tmp_path) == [starter.MODEL_NAME]
+
+
+def test_sha256_with_progress_counts_and_stops(model: Path) -> None:
+    """The digest with the bytes counted; "" once cancelled."""
+    progress = weights.HashProgress(total=len(DATA))
+    assert weights.sha256_with_progress(model, progress) == DIGEST
+    assert progress.done == len(DATA)
+    stopped = weights.HashProgress(total=len(DATA), cancelled=True)
+    assert weights.sha256_with_progress(model, stopped) == ""
+    assert stopped.done == 0
+
+
+async def test_digest_cache_by_file_identity(model: Path) -> None:
+    """A file is hashed once while unchanged; a change of content makes a
+    new identity that is hashed again."""
+    cache = weights.DigestCache()
+    file_id = await cache.identify(model)
+    assert file_id.size == len(DATA)
+    assert cache.known(file_id) is None
+    with trio.fail_after(10):
+        assert await cache.digest(file_id, weights.HashProgress(total=file_id.size)) == DIGEST
+    assert cache.known(await cache.identify(model)) == DIGEST
+
+    await trio.Path(model).write_bytes(b"other weights")
+    changed = await cache.identify(model)
+    assert changed != file_id
+    assert cache.known(changed) is None
+    with pytest.raises(FileNotFoundError):
+        await cache.identify(model.with_name("absent.gguf"))

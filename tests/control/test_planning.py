@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from llmgw.agent.weights import assemble_starter_model
+from llmgw.cli.plan_format import format_plan
 from llmgw.control.planning import (
     GIB,
     ModelFacts,
@@ -21,7 +22,6 @@ from llmgw.control.planning import (
     PlanNode,
     cpu_tokens_per_second,
     estimate_for_file,
-    format_plan,
     kv_bytes_per_token,
     kv_gb_per_1k_tokens,
     plan,

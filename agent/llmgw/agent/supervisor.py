@@ -1,7 +1,15 @@
-"""Engine supervision: start, watch, adopt and stop the engine processes of one agent.
+"""Engine supervision: start, watch, adopt and stop the engine replicas' shards of one agent.
 
-One :class:`Supervisor` owns every shard an agent runs (``shared/spec/agent.md``,
-Engine supervision; ``reconciler-and-lifecycle.md``, Adoption and Compute check):
+One :class:`Supervisor` owns every shard an agent runs (see
+``docs/architecture.md``, the agent): it starts a shard's engine processes,
+watches them until they are ready and while they run, restarts a shard
+(a new incarnation) on the next ``StartShard`` after it failed or stopped,
+stops it, and adopts the engines an earlier agent left running. The
+mechanisms live beside it: :mod:`llmgw.agent.processes` (process groups,
+``/proc``, stopping with strays), :mod:`llmgw.agent.output` (the engine's
+log file and its last lines), :mod:`llmgw.agent.probes` (readiness probes),
+:mod:`llmgw.agent.weights` (the weights digest), :mod:`llmgw.agent.state`
+(the shard files).
 
 - each command of a shard runs in its own process group (a new session), with
   the engine key in its environment only; stdout and stderr go to a log file
@@ -9,20 +17,19 @@ Engine supervision; ``reconciler-and-lifecycle.md``, Adoption and Compute check)
   tailed into a ring buffer of the last lines;
 - a shard with ``model_sha256`` has its weights file checked first (a
   digest cache keyed by the file's identity avoids hashing it again);
-- the shard is STARTING until ``GET <health path>`` with the key answers 200
-  with a body that :func:`~llmgw.engines.base.body_says_ready`; then READY,
-  with the compute report read from the engine's start-up output
-  (:mod:`llmgw.agent.compute`); while STARTING, output (or the weights
-  check) is reported as ``ShardStatus.progress`` at most every
-  ``progress_interval_s`` so the control plane resets its start deadline;
-  for the first :data:`COMPUTE_WATCH_S` after READY a changed compute
-  report is sent again;
+- the shard is STARTING until its health endpoint answers ready
+  (:func:`~llmgw.agent.probes.is_ready`); then READY, with the compute report
+  read from the engine's start-up output (:mod:`llmgw.agent.compute`); while
+  STARTING, output (or the weights check) is reported as
+  ``ShardStatus.progress`` at most every ``progress_interval_s`` so the
+  control plane resets its start deadline; for the first
+  :data:`COMPUTE_WATCH_S` after READY a changed compute report is sent again;
 - a process that exits without having been asked to stop, or an engine that
   makes no progress (no output) and is not ready within the startup timeout,
   turns the shard FAILED with a one-line reason and its last output lines;
 - a stop finds strays (descendants that left the group), SIGTERMs the group and
   the strays, waits up to 5 s polling every 100 ms, then SIGKILLs them, and
-  reaps its children;
+  reaps its children (:func:`~llmgw.agent.processes.stop_groups`);
 - every running shard has a file in the state directory
   (:mod:`llmgw.agent.state`). When :meth:`Supervisor.serve` starts, the
   shards found there whose processes still run are **adopted**: probed once
@@ -38,84 +45,47 @@ reader slows the supervisor's reports down, never the engines.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import os
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Final, NoReturn
 
 import attrs
-import httpx
 import trio
 
-from llmgw.agent import protocol
-from llmgw.agent.compute import ComputeReport, progress_text
+from llmgw.agent import probes, processes, protocol
+from llmgw.agent.compute import ComputeReport
+from llmgw.agent.output import TAIL_INTERVAL_S, EngineOutput, create_log
+from llmgw.agent.processes import STOP_GRACE_S
 from llmgw.agent.protocol import ShardState, ShardStatus
 from llmgw.agent.state import ProcRecord, ShardRecord, StateDir, boot_id
-from llmgw.engines.base import (
-    MAX_HEALTH_BODY_BYTES,
-    EngineAdapter,
-    ShardLaunch,
-    body_says_ready,
-)
+from llmgw.agent.weights import DigestCache, HashProgress
+from llmgw.engines.base import EngineAdapter, ShardLaunch
 
 __all__ = [
     "COMPUTE_WATCH_S",
     "FAILED_LAST_LINES",
-    "PROBE_TIMEOUT_S",
     "PROGRESS_INTERVAL_S",
     "STOP_ALL_DEADLINE_S",
-    "STOP_GRACE_S",
     "Supervisor",
 ]
 
 log = logging.getLogger(__name__)
 
-#: How long one readiness probe may take, in seconds.
-PROBE_TIMEOUT_S: Final = 2.0
-#: How long a stopped engine gets between SIGTERM and SIGKILL, in seconds.
-STOP_GRACE_S: Final = 5.0
-#: How often a stopping engine is checked for exit, in seconds.
-STOP_POLL_S: Final = 0.1
 #: The most time :meth:`Supervisor.stop_all` takes, in seconds.
 STOP_ALL_DEADLINE_S: Final = 8.0
 #: How many output lines a FAILED status carries.
 FAILED_LAST_LINES: Final = 50
-#: How deep the search for strays goes below a shard's processes.
-STRAY_MAX_DEPTH: Final = 32
-#: The longest output line kept, in bytes; longer runs are split.
-MAX_LINE_BYTES: Final = 64 * 1024
 #: How long a stop waits for the shard's watcher to finish, in seconds.
 OUTPUT_DRAIN_S: Final = 1.0
-#: How long reaping after SIGKILL may take, in seconds.
-REAP_DEADLINE_S: Final = 2.0
 #: The least time between two progress reports of a STARTING shard, in seconds.
 PROGRESS_INTERVAL_S: Final = 5.0
-#: How long after start a changed compute report is sent again (agent.md:
-#: re-read every 5 s for the first 5 minutes), in seconds.
+#: How long after start a changed compute report is sent again (re-read
+#: every 5 s for the first 5 minutes), in seconds.
 COMPUTE_WATCH_S: Final = 300.0
-#: How often an engine's log file is read, in seconds.
-TAIL_INTERVAL_S: Final = 0.2
-#: An engine log file longer than this is emptied once read (the engine
-#: appends, so it goes on at the new end), in bytes.
-MAX_LOG_FILE_BYTES: Final = 64 * 1024 * 1024
-#: The most of a log file read in one go, in bytes (the rest waits a tick).
-MAX_READ_BYTES: Final = 4 * 1024 * 1024
-#: How much of an adopted engine's log is read back into the ring buffer, in bytes.
-ADOPT_TAIL_BYTES: Final = 256 * 1024
-#: How much of an adopted engine's log is read for its compute report when
-#: the shard file has none, in bytes.
-ADOPT_HEAD_BYTES: Final = 1024 * 1024
-#: How often a process that is not our child is checked for exit when the
-#: kernel has no pidfds, in seconds.
-PID_POLL_S: Final = 0.5
-#: Bytes hashed between two progress updates of a weights check.
-HASH_BLOCK_BYTES: Final = 4 * 1024 * 1024
 
 _ACTIVE: Final = frozenset({ShardState.STARTING, ShardState.READY})
 
@@ -148,10 +118,8 @@ class _Shard:
     start: protocol.StartShard  # api_key emptied
     health_url: str
     api_key: str
-    lines: collections.deque[str]
-    report: ComputeReport
-    #: When output last came (or the start), trio clock.
-    last_progress: float
+    #: The engine's output: its log file, last lines and compute report.
+    output: EngineOutput
     #: When the shard started, trio clock and wall clock.
     started_at: float
     wall_started: float
@@ -161,16 +129,8 @@ class _Shard:
     state: ShardState = ShardState.STARTING
     compute: str = ""
     procs: list[_Proc] = attrs.field(factory=list)
-    # The engine's output: read side of the log file.
-    log_path: Path | None = None
-    log_fd: int = -1
-    log_offset: int = 0
-    pending: bytes = b""
     # Progress and compute reports.
     progress_at: float = 0.0
-    compute_at: float = 0.0
-    new_output: bool = False
-    last_text: str = ""
     #: Cancels a weights check in progress (set while one runs).
     checking: trio.CancelScope | None = None
     #: Process exits are expected from now on (a stop or a failure is under way).
@@ -194,42 +154,6 @@ class _Shard:
         return self.start.port
 
 
-@attrs.frozen
-class _Pid:
-    """A process, told apart from a later one with the same id by its start time."""
-
-    pid: int
-    start_time: int
-
-
-@attrs.frozen
-class _Stat:
-    ppid: int
-    pgrp: int
-    state: str
-    start_time: int
-
-
-@attrs.frozen
-class _FileId:
-    """A weights file's identity: a change to any part means hash it again."""
-
-    path: str
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-
-
-@attrs.define
-class _HashProgress:
-    """Shared between a hashing thread and the task reporting its progress."""
-
-    total: int
-    done: int = 0
-    cancelled: bool = False
-
-
 class Supervisor:
     """Owns the engine processes of one agent.
 
@@ -247,7 +171,7 @@ class Supervisor:
             becoming ready before it is failed and stopped.
         owns_engines: stop every engine when :meth:`serve` ends (``llmgw up``);
             when false engines outlive the supervisor, for adoption.
-        stop_grace_s: seconds between SIGTERM and SIGKILL (the spec says 5).
+        stop_grace_s: seconds between SIGTERM and SIGKILL (5 by default).
         progress_interval_s: least seconds between two progress reports of
             a STARTING shard, and between two compute reports of a READY one.
 
@@ -286,7 +210,7 @@ class Supervisor:
         self._locks: collections.defaultdict[str, trio.Lock] = collections.defaultdict(trio.Lock)
         self._nursery: trio.Nursery | None = None
         #: Digests of weights files already hashed, by file identity.
-        self._digests: dict[_FileId, str] = {}
+        self._digests = DigestCache()
 
     @property
     def state_dir(self) -> Path:
@@ -303,8 +227,8 @@ class Supervisor:
         Holds the state directory's lock while it runs. Calls
         ``task_status.started()`` once the shards found in the state
         directory are adopted (each probed once, at most
-        :data:`PROBE_TIMEOUT_S`) and new ones can be started. Never returns
-        unless cancelled. When cancelled with ``owns_engines`` set, every
+        :data:`~llmgw.agent.probes.PROBE_TIMEOUT_S`) and new ones can be
+        started. Never returns unless cancelled. When cancelled with ``owns_engines`` set, every
         engine is stopped first (shielded, at most
         :data:`STOP_ALL_DEADLINE_S` seconds); otherwise engines keep running.
 
@@ -403,7 +327,7 @@ class Supervisor:
 
         A weights check in progress is abandoned. Strays are found first,
         then the process groups (an adopted shard's too) and strays get
-        SIGTERM, :data:`STOP_GRACE_S` seconds of grace polled every 100 ms,
+        SIGTERM, ``stop_grace_s`` seconds of grace polled every 100 ms,
         then SIGKILL; children are reaped. The shard's file and log are
         removed. Shielded from cancellation and bounded by
         :data:`STOP_ALL_DEADLINE_S` seconds. A shard already FAILED or
@@ -435,9 +359,8 @@ class Supervisor:
         shard = self._shards.get(shard_id)
         if shard is None or lines <= 0:
             return []
-        self._read_output(shard)
-        kept = list(shard.lines)
-        return kept[-lines:]
+        shard.output.read()
+        return list(shard.output.last_lines(lines))
 
     def running(self) -> list[protocol.RunningShard]:
         """The shards STARTING or READY (adopted ones too), as ``Register``
@@ -466,22 +389,17 @@ class Supervisor:
     # --- starting ---------------------------------------------------------------
 
     def _new_shard(self, cmd: protocol.StartShard, *, health_path: str = "") -> _Shard:
-        host = cmd.bind_addr or "127.0.0.1"
-        if host in ("0.0.0.0", ""):
-            host = "127.0.0.1"
-        elif host == "::":
-            host = "::1"
-        if ":" in host:
-            host = f"[{host}]"
         now = trio.current_time()
         return _Shard(
             start=attrs.evolve(cmd, api_key=""),
-            health_url=f"http://{host}:{cmd.port}",
+            health_url=probes.base_url(cmd.bind_addr, cmd.port),
             health_path=health_path,
             api_key=cmd.api_key,
-            lines=collections.deque(maxlen=self._max_log_lines),
-            report=ComputeReport(cmd.profile.engine, cmd.gpu_indices),
-            last_progress=now,
+            output=EngineOutput(
+                name=f"shard {cmd.shard_id}",
+                max_lines=self._max_log_lines,
+                report=ComputeReport(cmd.profile.engine, cmd.gpu_indices),
+            ),
             started_at=now,
             wall_started=time.time(),
             progress_at=now,
@@ -491,12 +409,12 @@ class Supervisor:
     async def _fail_to_start(self, shard: _Shard, reason: str, correlation_id: str) -> None:
         shard.ending = True
         await self._terminate(shard)
-        self._close_log(shard)
+        shard.output.close()
         self._state.remove(shard.shard_id, keep_log=True)
         shard.state = ShardState.FAILED
         shard.done.set()
         log.warning("shard %s: %s", shard.shard_id, reason)
-        last = tuple(shard.lines)[-FAILED_LAST_LINES:]
+        last = shard.output.last_lines(FAILED_LAST_LINES)
         await self._emit(
             self._status(shard, reason=reason, last_lines=last, correlation_id=correlation_id)
         )
@@ -526,7 +444,7 @@ class Supervisor:
             return f"cannot launch engine {profile.engine!r}: {exc}"
         if not commands:
             return f"engine {profile.engine!r} gave no command to run"
-        if not _port_free(launch.bind_addr, launch.http_port):
+        if not probes.port_free(launch.bind_addr, launch.http_port):
             # Never start (nor probe) an engine on a port something else
             # holds: the probe would reach that process, and so would the
             # router, with the engine key.
@@ -534,27 +452,20 @@ class Supervisor:
         shard.health_path = health_path if health_path.startswith("/") else f"/{health_path}"
         shard.health_url += shard.health_path
         log_path = self._state.log_path(shard.shard_id)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
         try:
-            out = os.open(log_path, flags, 0o600)
+            out = create_log(log_path)
         except OSError as exc:
             return f"cannot open the engine log {log_path}: {exc}"
         try:
-            shard.log_fd = os.open(log_path, os.O_RDONLY | os.O_CLOEXEC)
-            shard.log_path = log_path
+            shard.output.follow(log_path)
             for command in commands:
                 try:
-                    process = await trio.lowlevel.open_process(
-                        command.argv,
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=out,
-                        start_new_session=True,
-                        env={**_inherited_env(), **command.env},
+                    process = await processes.start_in_new_group(
+                        command.argv, env=command.env, output_fd=out
                     )
                 except OSError as exc:
                     return f"cannot start {command.path}: {exc}"
-                stat = _read_stat(process.pid)
+                stat = processes.read_stat(process.pid)
                 log.info(
                     "shard %s: started %s as pid %d", shard.shard_id, command.name, process.pid
                 )
@@ -580,7 +491,7 @@ class Supervisor:
         (``shard.ending`` is then set)."""
         path = Path(cmd.profile.model_path)
         expected = cmd.profile.model_sha256.strip().lower()
-        progress = _HashProgress(total=0)
+        progress = HashProgress(total=0)
         outcome: list[str] = []  # the digest, or "!" + why it could not be had
         try:
             with trio.CancelScope() as scope:
@@ -599,19 +510,18 @@ class Supervisor:
         return ""
 
     async def _digest(
-        self, shard: _Shard, cmd: protocol.StartShard, path: Path, progress: _HashProgress
+        self, shard: _Shard, cmd: protocol.StartShard, path: Path, progress: HashProgress
     ) -> str:
         """``path``'s sha256 (from the cache when the file is unchanged), or
         ``"!"`` and the reason it cannot be read."""
         try:
-            st = await trio.to_thread.run_sync(os.stat, path)
+            file_id = await self._digests.identify(path)
         except OSError as exc:
             return f"!weights file {path}: {exc.strerror or exc}"
-        file_id = _FileId(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        cached = self._digests.get(file_id)
+        cached = self._digests.known(file_id)
         if cached is not None:
             return cached
-        progress.total = st.st_size
+        progress.total = file_id.size
         await self._emit(
             self._status(
                 shard, progress=f"checking weights {path.name}", correlation_id=cmd.correlation_id
@@ -620,17 +530,14 @@ class Supervisor:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._report_hashing, shard, progress, path.name)
             try:
-                digest = await trio.to_thread.run_sync(
-                    _sha256_with_progress, path, progress, abandon_on_cancel=True
-                )
+                digest = await self._digests.digest(file_id, progress)
             except OSError as exc:
                 return f"!cannot read the weights file {path}: {exc.strerror or exc}"
             finally:
                 nursery.cancel_scope.cancel()
-        self._digests[file_id] = digest
         return digest
 
-    async def _report_hashing(self, shard: _Shard, progress: _HashProgress, name: str) -> None:
+    async def _report_hashing(self, shard: _Shard, progress: HashProgress, name: str) -> None:
         while True:
             await trio.sleep(self._progress_interval_s)
             await self._emit(
@@ -687,9 +594,13 @@ class Supervisor:
                 for p in record.procs
             ]
             self._shards[record.shard_id] = shard
-            self._open_adopted_log(shard)
+            shard.output.follow_existing(
+                self._state.log_path(shard.shard_id), read_head=not shard.compute
+            )
             same_boot = not record.boot_id or record.boot_id == this_boot
-            live = [p for p in shard.procs if same_boot and _same_process(p)]
+            live = [
+                p for p in shard.procs if same_boot and processes.same_process(p.pid, p.start_time)
+            ]
             if shard.procs and len(live) == len(shard.procs):
                 adopted.append(shard)
                 continue
@@ -703,14 +614,14 @@ class Supervisor:
             shard.procs = live
             shard.ending = True
             shard.state = ShardState.FAILED
-            self._close_log(shard)
+            shard.output.close()
             self._state.remove(shard.shard_id, keep_log=True)
             shard.done.set()
             if live:
                 nursery.start_soon(self._terminate, shard)
-        async with trio.open_nursery() as probes:
+        async with trio.open_nursery() as probing:
             for shard in adopted:
-                probes.start_soon(self._adopt_probe, shard)
+                probing.start_soon(self._adopt_probe, shard)
         for shard in adopted:
             log.info(
                 "shard %s: adopted %s pid %d on port %d (%s)",
@@ -724,34 +635,9 @@ class Supervisor:
         await trio.to_thread.run_sync(self._state.prune_logs, set(self._shards))
 
     async def _adopt_probe(self, shard: _Shard) -> None:
-        async with httpx.AsyncClient(trust_env=False, timeout=PROBE_TIMEOUT_S) as client:
-            if await self._probe(client, shard.health_url, {}):
+        async with probes.probe_client() as client:
+            if await probes.is_ready(client, shard.health_url, {}):
                 self._become_ready(shard)
-
-    def _open_adopted_log(self, shard: _Shard) -> None:
-        """Open an adopted shard's log: its head feeds the compute report when
-        the file had none, its tail the ring buffer; then it is followed."""
-        path = self._state.log_path(shard.shard_id)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            log.warning("shard %s: no engine log (%s)", shard.shard_id, exc)
-            return
-        shard.log_fd, shard.log_path = fd, path
-        try:
-            size = os.fstat(fd).st_size
-            if not shard.compute:
-                for line in os.pread(fd, ADOPT_HEAD_BYTES, 0).split(b"\n"):
-                    shard.report.feed(_decode(line))
-            shard.log_offset = max(0, size - ADOPT_TAIL_BYTES)
-            if shard.log_offset:  # skip to the start of a line
-                head = os.pread(fd, MAX_LINE_BYTES, shard.log_offset)
-                cut = head.find(b"\n")
-                shard.log_offset += cut + 1 if cut >= 0 else 0
-        except OSError as exc:
-            log.warning("shard %s: cannot read its engine log: %s", shard.shard_id, exc)
-        self._read_output(shard)
-        shard.new_output = False
 
     # --- watching ---------------------------------------------------------------
 
@@ -765,62 +651,15 @@ class Supervisor:
                     if shard.state is ShardState.STARTING:
                         nursery.start_soon(self._probe_until_ready, shard)
         finally:
-            self._read_output(shard)
-            self._close_log(shard)
+            shard.output.read()
+            shard.output.close()
             shard.done.set()
 
     async def _tail(self, shard: _Shard) -> None:
         while True:
-            self._read_output(shard)
+            shard.output.read()
             await self._report_output(shard)
             await trio.sleep(TAIL_INTERVAL_S)
-
-    def _read_output(self, shard: _Shard) -> None:
-        """Read what the engine wrote since the last call into the ring
-        buffer and the compute report (at most :data:`MAX_READ_BYTES`)."""
-        fd = shard.log_fd
-        if fd < 0:
-            return
-        try:
-            if os.fstat(fd).st_size < shard.log_offset:
-                shard.log_offset = 0  # emptied (by us, or by hand)
-            budget = MAX_READ_BYTES
-            while budget > 0:
-                data = os.pread(fd, min(MAX_LINE_BYTES, budget), shard.log_offset)
-                if not data:
-                    break
-                shard.log_offset += len(data)
-                budget -= len(data)
-                self._take_output(shard, data)
-            if shard.log_offset >= MAX_LOG_FILE_BYTES and shard.log_path is not None:
-                os.truncate(shard.log_path, 0)
-                shard.log_offset = 0
-        except OSError as exc:
-            log.warning("shard %s: cannot read its engine log: %s", shard.shard_id, exc)
-            self._close_log(shard)
-
-    def _take_output(self, shard: _Shard, data: bytes) -> None:
-        shard.last_progress = trio.current_time()
-        *complete, shard.pending = (shard.pending + data).split(b"\n")
-        if len(shard.pending) >= MAX_LINE_BYTES:
-            complete.append(shard.pending)
-            shard.pending = b""
-        for raw in complete:
-            line = _decode(raw)
-            shard.lines.append(line)
-            shard.report.feed(line)
-            text = progress_text(line)
-            if text:
-                shard.last_text = text
-                shard.new_output = True
-
-    def _close_log(self, shard: _Shard) -> None:
-        if shard.log_fd >= 0:
-            if shard.pending:
-                shard.lines.append(_decode(shard.pending))
-                shard.pending = b""
-            os.close(shard.log_fd)
-            shard.log_fd = -1
 
     async def _report_output(self, shard: _Shard) -> None:
         """Progress while STARTING; a changed compute report soon after READY."""
@@ -829,12 +668,11 @@ class Supervisor:
         now = trio.current_time()
         if now - shard.progress_at < self._progress_interval_s:
             return
-        if shard.state is ShardState.STARTING and shard.new_output:
+        if shard.state is ShardState.STARTING and (text := shard.output.take_text()) is not None:
             shard.progress_at = now
-            shard.new_output = False
-            await self._emit(self._status(shard, progress=shard.last_text))
+            await self._emit(self._status(shard, progress=text))
         elif shard.state is ShardState.READY and now - shard.started_at < COMPUTE_WATCH_S:
-            text = shard.report.text
+            text = shard.output.report.text
             if text and text != shard.compute:
                 shard.progress_at = now
                 shard.compute = text
@@ -854,28 +692,28 @@ class Supervisor:
             else:
                 how = f"exited with code {code}"
         else:
-            await _wait_not_child(proc)
+            await processes.wait_not_child(proc.pid, proc.start_time)
             how = "exited (adopted from an earlier agent: exit code unknown)"
         if shard.ending:
             return
         what = "engine" if len(shard.procs) == 1 else f"engine process {proc.name!r}"
-        self._read_output(shard)  # its last words
+        shard.output.read()  # its last words
         await self._fail(shard, f"{what} {how}")
 
     async def _probe_until_ready(self, shard: _Shard) -> None:
-        headers = {"Authorization": f"Bearer {shard.api_key}"} if shard.api_key else {}
-        async with httpx.AsyncClient(trust_env=False, timeout=PROBE_TIMEOUT_S) as client:
+        headers = probes.auth_headers(shard.api_key)
+        async with probes.probe_client() as client:
             while not shard.ending:
-                if await self._probe(client, shard.health_url, headers):
+                if await probes.is_ready(client, shard.health_url, headers):
                     if shard.ending:
                         return
-                    self._read_output(shard)  # the start-up log so far
+                    shard.output.read()  # the start-up log so far
                     self._become_ready(shard)
                     log.info("shard %s: ready on %s", shard.shard_id, shard.compute or "?")
                     await self._save(shard)
                     await self._emit(self._status(shard))
                     return
-                quiet_s = trio.current_time() - shard.last_progress
+                quiet_s = trio.current_time() - shard.output.last_output_at
                 if quiet_s > self._startup_timeout_s:
                     await self._fail(
                         shard,
@@ -885,29 +723,12 @@ class Supervisor:
                     return
                 await trio.sleep(self._probe_interval_s)
                 if shard.api_key and "Authorization" not in headers:
-                    headers = {"Authorization": f"Bearer {shard.api_key}"}
+                    headers = probes.auth_headers(shard.api_key)
 
     def _become_ready(self, shard: _Shard) -> None:
         shard.state = ShardState.READY
-        shard.compute = shard.compute or shard.report.text
+        shard.compute = shard.compute or shard.output.report.text
         shard.progress_at = trio.current_time()
-
-    @staticmethod
-    async def _probe(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> bool:
-        with trio.move_on_after(PROBE_TIMEOUT_S):
-            try:
-                async with client.stream("GET", url, headers=headers) as response:
-                    if response.status_code != 200:
-                        return False
-                    body = bytearray()
-                    async for chunk in response.aiter_bytes():
-                        body += chunk
-                        if len(body) >= MAX_HEALTH_BODY_BYTES:
-                            break
-                    return body_says_ready(bytes(body[:MAX_HEALTH_BODY_BYTES]))
-            except httpx.HTTPError:
-                return False
-        return False
 
     async def _fail(self, shard: _Shard, reason: str) -> None:
         """Stop what is left of ``shard``, report it FAILED, end its watcher."""
@@ -916,7 +737,7 @@ class Supervisor:
         shard.ending = True
         shard.state = ShardState.FAILED
         log.warning("shard %s: %s", shard.shard_id, reason)
-        last = tuple(shard.lines)[-FAILED_LAST_LINES:]
+        last = shard.output.last_lines(FAILED_LAST_LINES)
         # Clean up first: whoever hears FAILED may reuse the port and cards.
         await self._terminate(shard)
         self._state.remove(shard.shard_id, keep_log=True)
@@ -940,7 +761,7 @@ class Supervisor:
             shard.scope.cancel()
             with trio.move_on_after(OUTPUT_DRAIN_S):
                 await shard.done.wait()
-            self._close_log(shard)
+            shard.output.close()
             if shard.state is not ShardState.STOPPED:
                 self._state.remove(shard_id, keep_log=shard.state is ShardState.FAILED)
             shard.state = ShardState.STOPPED
@@ -964,34 +785,12 @@ class Supervisor:
             shard.terminated.set()
 
     async def _kill(self, shard: _Shard) -> None:
-        groups = frozenset(proc.pgid for proc in shard.procs)
-        if not groups:
-            return
-        strays = await trio.to_thread.run_sync(_find_strays, groups)
-        _signal(groups, strays, signal.SIGTERM)
-        if not await self._wait_gone(shard, groups, strays, self._stop_grace_s):
-            strays |= await trio.to_thread.run_sync(_find_strays, groups)
-            log.warning("shard %s: still running after SIGTERM; SIGKILL", shard.shard_id)
-            _signal(groups, strays, signal.SIGKILL)
-            await self._wait_gone(shard, groups, strays, REAP_DEADLINE_S)
-        with trio.move_on_after(REAP_DEADLINE_S):
-            for proc in shard.procs:
-                if proc.process is not None:
-                    await proc.process.wait()
-
-    @staticmethod
-    async def _wait_gone(
-        shard: _Shard, groups: frozenset[int], strays: set[_Pid], deadline_s: float
-    ) -> bool:
-        with trio.move_on_after(deadline_s):
-            while True:
-                for proc in shard.procs:
-                    if proc.process is not None:
-                        proc.process.poll()  # reaps our own children
-                if not await trio.to_thread.run_sync(_any_alive, groups, strays):
-                    return True
-                await trio.sleep(STOP_POLL_S)
-        return False
+        await processes.stop_groups(
+            frozenset(proc.pgid for proc in shard.procs),
+            [proc.process for proc in shard.procs if proc.process is not None],
+            grace_s=self._stop_grace_s,
+            label=f"shard {shard.shard_id}",
+        )
 
     # --- reporting --------------------------------------------------------------
 
@@ -1033,179 +832,3 @@ class Supervisor:
                 status.shard_id,
                 status.state,
             )
-
-
-def _sha256_with_progress(path: Path, progress: _HashProgress) -> str:
-    """The sha256 of ``path`` (hex), counting bytes in ``progress.done``;
-    stops early (returning "") once ``progress.cancelled`` is set.
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while not progress.cancelled:
-            block = f.read(HASH_BLOCK_BYTES)
-            if not block:
-                return digest.hexdigest()
-            digest.update(block)
-            progress.done += len(block)
-    return ""
-
-
-async def _wait_not_child(proc: _Proc) -> None:
-    """Return once ``proc`` (not a child of ours) has exited: through a pidfd
-    when the kernel has them, else by polling ``/proc`` every
-    :data:`PID_POLL_S`."""
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except ProcessLookupError:
-        return
-    except (OSError, AttributeError):
-        while True:
-            if not _same_process(proc):
-                return
-            await trio.sleep(PID_POLL_S)
-    try:
-        if not _same_process(proc):
-            return  # gone (its pid reused) before the pidfd was opened
-        await trio.lowlevel.wait_readable(fd)
-    finally:
-        trio.lowlevel.notify_closing(fd)
-        os.close(fd)
-
-
-# --- /proc ------------------------------------------------------------------------
-
-
-#: Engine key variables never passed down from the agent's own environment:
-#: a keyless shard must not inherit some other key.
-_KEY_VARIABLES = frozenset({"LLAMA_API_KEY", "VLLM_API_KEY", "FREETOKEN_API_KEY", "STRATA_API_KEY"})
-
-
-def _inherited_env() -> dict[str, str]:
-    """The agent's environment less engine keys, with ``PYTHONUNBUFFERED=1``
-    (Python engines otherwise hold their output back in a file's buffer)."""
-    env = {k: v for k, v in os.environ.items() if k not in _KEY_VARIABLES}
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def _port_free(host: str, port: int) -> bool:
-    """Whether ``host:port`` can be bound now (SO_REUSEADDR, as servers set
-    it: a port in TIME_WAIT counts as free, one with a listener does not)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host or "0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-def _decode(line: bytes) -> str:
-    return line.decode("utf-8", errors="replace").rstrip("\r")
-
-
-def _read_stat(pid: int) -> _Stat | None:
-    """``/proc/<pid>/stat``'s parent, group, state and start time; ``None`` if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode("ascii", errors="replace")
-    except OSError:
-        return None
-    # The command name is in parentheses and may hold anything, ")" included.
-    fields = raw[raw.rfind(")") + 2 :].split()
-    try:
-        return _Stat(
-            state=fields[0], ppid=int(fields[1]), pgrp=int(fields[2]), start_time=int(fields[19])
-        )
-    except (IndexError, ValueError):
-        return None
-
-
-def _same_process(proc: _Proc) -> bool:
-    """Whether ``proc`` still runs (not a zombie) and is the process that
-    was started (same start time: its pid was not given to another)."""
-    stat = _read_stat(proc.pid)
-    return (
-        stat is not None
-        and stat.state not in ("Z", "X")
-        and (proc.start_time == 0 or stat.start_time == proc.start_time)
-    )
-
-
-def _process_table() -> dict[int, _Stat]:
-    table: dict[int, _Stat] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = _read_stat(int(name))
-            if stat is not None:
-                table[int(name)] = stat
-    return table
-
-
-def _find_strays(groups: frozenset[int]) -> set[_Pid]:
-    """Live descendants (≤ :data:`STRAY_MAX_DEPTH` levels) of the members of
-    ``groups`` that are in none of them."""
-    table = _process_table()
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for pid, stat in table.items():
-        children[stat.ppid].append(pid)
-    level = [pid for pid, stat in table.items() if stat.pgrp in groups]
-    strays: set[_Pid] = set()
-    seen = set(level)
-    for _ in range(STRAY_MAX_DEPTH):
-        below = [child for pid in level for child in children.get(pid, ()) if child not in seen]
-        if not below:
-            break
-        seen.update(below)
-        for pid in below:
-            stat = table[pid]
-            if stat.pgrp not in groups and stat.state != "Z":
-                strays.add(_Pid(pid, stat.start_time))
-        level = below
-    return strays
-
-
-def _stray_alive(stray: _Pid) -> bool:
-    stat = _read_stat(stray.pid)
-    return stat is not None and stat.start_time == stray.start_time and stat.state != "Z"
-
-
-def _any_alive(groups: frozenset[int], strays: set[_Pid]) -> bool:
-    """Whether a non-zombie member of ``groups`` or a stray still runs."""
-    if any(_stray_alive(stray) for stray in strays):
-        return True
-    for pgid in groups:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            continue
-        except PermissionError:
-            pass
-        # Something is in the group; zombies don't count.
-        if any(stat.pgrp in groups and stat.state != "Z" for stat in _process_table().values()):
-            return True
-        break
-    return False
-
-
-def _signal(groups: frozenset[int], strays: set[_Pid], sig: signal.Signals) -> None:
-    for pgid in groups:
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            log.warning("not allowed to signal process group %d", pgid)
-    for stray in strays:
-        if not _stray_alive(stray):
-            continue
-        try:
-            os.kill(stray.pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            log.warning("not allowed to signal stray process %d", stray.pid)

@@ -1,10 +1,15 @@
-"""Weights files: check their digest, and build the bundled starter model.
+"""Weights files: their digest, checking it, and the bundled starter model.
 
-A weights file whose sha256 differs from the expected one is deleted at once,
-so a corrupt or tampered file is never loaded and the next fetch starts clean.
+A weights file whose sha256 differs from the expected one is deleted at once
+by :func:`check_weights`, so a corrupt or tampered file is never loaded and
+the next fetch starts clean.
 
 Hashing reads the whole file (hundreds of MB to hundreds of GB); async callers
-use the ``*_async`` variants, which run in a worker thread.
+use the ``*_async`` variants, which run in a worker thread. Where the hashing
+must show progress and give way to a stop (an engine's weights checked before
+it starts), :class:`DigestCache` hashes in a worker thread with a
+:class:`HashProgress`, and remembers each digest by the file's identity
+(:class:`FileId`) so an unchanged file is not hashed again.
 """
 
 from __future__ import annotations
@@ -17,24 +22,32 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
+import attrs
 import trio
 
 from llmgw import errors
 
 __all__ = [
+    "HASH_BLOCK_BYTES",
     "STARTER_MODEL_NAME",
+    "DigestCache",
+    "FileId",
+    "HashProgress",
     "WeightsMismatch",
     "assemble_starter_model",
     "assemble_starter_model_async",
     "check_weights",
     "check_weights_async",
     "sha256_file",
+    "sha256_with_progress",
 ]
 
 #: The catalog name of the small model ``llmgw up`` serves out of the box.
 STARTER_MODEL_NAME: Final = "gemma-3-270m"
 
 _BLOCK_BYTES: Final = 1024 * 1024
+#: Bytes hashed between two progress updates of :func:`sha256_with_progress`.
+HASH_BLOCK_BYTES: Final = 4 * 1024 * 1024
 
 
 class WeightsMismatch(errors.AgentError):
@@ -64,6 +77,102 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     """
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+@attrs.frozen
+class FileId:
+    """A weights file's identity: a change to any part means hash it again.
+
+    Attributes:
+        path: the path as given.
+        device, inode: where the file is.
+        size: its size, bytes.
+        mtime_ns: its modification time, ns since the epoch.
+    """
+
+    path: str
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileId:
+        """The identity of the file at ``path`` now.
+
+        Raises:
+            OSError: the file cannot be stat'ed (``FileNotFoundError`` when missing).
+        """
+        st = os.stat(path)
+        return cls(str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@attrs.define
+class HashProgress:
+    """Shared between a hashing thread and the task reporting its progress.
+
+    Attributes:
+        total: the bytes to hash (the file's size).
+        done: the bytes hashed so far (written by the hashing thread).
+        cancelled: set to make the hashing thread stop early.
+    """
+
+    total: int
+    done: int = 0
+    cancelled: bool = False
+
+
+def sha256_with_progress(path: Path, progress: HashProgress) -> str:
+    """The sha256 of ``path`` (lowercase hex), counting bytes in
+    ``progress.done`` every :data:`HASH_BLOCK_BYTES`; stops early (returning
+    ``""``) once ``progress.cancelled`` is set.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while not progress.cancelled:
+            block = f.read(HASH_BLOCK_BYTES)
+            if not block:
+                return digest.hexdigest()
+            digest.update(block)
+            progress.done += len(block)
+    return ""
+
+
+class DigestCache:
+    """The sha256 of weights files, each hashed once while the file is
+    unchanged (same :class:`FileId`). Lives as long as its owner (an agent's
+    supervisor); not shared between threads."""
+
+    def __init__(self) -> None:
+        self._digests: dict[FileId, str] = {}
+
+    @staticmethod
+    async def identify(path: Path) -> FileId:
+        """:meth:`FileId.of` in a worker thread; raises what it raises."""
+        return await trio.to_thread.run_sync(FileId.of, path)
+
+    def known(self, file_id: FileId) -> str | None:
+        """The digest of ``file_id`` if it was hashed already, else ``None``."""
+        return self._digests.get(file_id)
+
+    async def digest(self, file_id: FileId, progress: HashProgress) -> str:
+        """Hash the file of ``file_id`` in a worker thread
+        (:func:`sha256_with_progress`), remember and return its digest. On
+        cancellation the thread is abandoned; set ``progress.cancelled`` to
+        make it stop reading.
+
+        Raises:
+            OSError: the file cannot be read.
+        """
+        digest = await trio.to_thread.run_sync(
+            sha256_with_progress, Path(file_id.path), progress, abandon_on_cancel=True
+        )
+        if digest:
+            self._digests[file_id] = digest
+        return digest
 
 
 def check_weights(path: Path, expected_sha256: str) -> None:
