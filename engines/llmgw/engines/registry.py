@@ -14,7 +14,7 @@ from typing import Any
 
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.llamacpp import LlamaCppAdapter
-from llmgw.engines.sim import SimAdapter
+from llmgw.engines.sim.adapter import SimAdapter
 
 __all__ = [
     "ALLOWED_ENV_NAMES",
