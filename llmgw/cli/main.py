@@ -704,9 +704,9 @@ _PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help
 @click.pass_context
 def engine_sim(ctx: click.Context) -> None:
     """The sim engine: an OpenAI-compatible fake (see --help after 'sim')."""
-    from llmgw.engines import sim
+    from llmgw.engines.sim.serve import main
 
-    sys.exit(sim.main(list(ctx.args)))
+    sys.exit(main(list(ctx.args)))
 
 
 @engine.command("llamacpp", context_settings=_PASS_THROUGH)

@@ -12,7 +12,7 @@ from llmgw.engines.registry import (
     normalise_flag,
     unsupported_request,
 )
-from llmgw.engines.sim import SimAdapter
+from llmgw.engines.sim.adapter import SimAdapter
 
 
 def test_the_registry_builds_the_llamacpp_and_sim_adapters() -> None:

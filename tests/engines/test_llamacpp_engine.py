@@ -16,8 +16,8 @@ import trio
 
 from llmgw.engines.base import ShardLaunch, body_says_ready
 from llmgw.engines.llamacpp import LlamaCppAdapter, common_params, parse_args
-from llmgw.engines.sim import SimAdapter
-from llmgw.engines.sim import parse_args as parse_sim_args
+from llmgw.engines.sim.adapter import SimAdapter
+from llmgw.engines.sim.config import parse_args as parse_sim_args
 from llmgw.engines.testing import engine_process_env, read_line, stop_process
 
 KEY = "llama-test-key"

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import trio
 
-from llmgw.engines.sim import SimConfig, parse_args
+from llmgw.engines.sim.config import SimConfig, parse_args
 from llmgw.engines.testing import SimStarter
 
 CHAT = "/v1/chat/completions"

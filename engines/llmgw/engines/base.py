@@ -5,7 +5,7 @@ into the command lines that start the engine, and says how to tell when the
 engine is ready. It does no I/O itself: the agent's supervisor runs the
 commands and probes the health path.
 
-Rules (``shared/spec/engines.md``):
+Rules every adapter keeps:
 
 - keys always travel in the environment (``LLAMA_API_KEY`` for llama.cpp and
   the sim engine), never on the command line;
@@ -32,12 +32,12 @@ __all__ = [
     "engine_env",
 ]
 
-#: Health ``status`` values that mean "not ready yet" (agent.md, Engine supervision).
+#: Health ``status`` values that mean "not ready yet", even with HTTP 200.
 NOT_READY_STATUSES = frozenset(
     {"loading", "starting", "initializing", "warming_up", "error", "unhealthy"}
 )
 
-#: The most of a health body that is read, in bytes (agent.md).
+#: The most of a health body that is read, in bytes.
 MAX_HEALTH_BODY_BYTES = 64 * 1024
 
 
@@ -132,7 +132,7 @@ def engine_env(shard: ShardLaunch, key_variable: str) -> dict[str, str]:
 
 
 def body_says_ready(body: bytes) -> bool:
-    """Whether a 200 health body means ready (agent.md's rule).
+    """Whether a 200 health body means ready.
 
     A JSON object whose ``status`` is in :data:`NOT_READY_STATUSES` is not
     ready; any other body, JSON or not (``OK``), is.

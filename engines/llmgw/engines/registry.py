@@ -2,9 +2,11 @@
 
 :func:`get_adapter` names the adapters llmgw can run today (``llamacpp``,
 ``sim``). :func:`check_args` and :func:`check_env` refuse what a model profile
-must not pass to an engine (``shared/spec/engines.md``, "Forbidden flags and
-environment"); each refusal is a :class:`ValueError` naming the flag or
-variable and the reason.
+must not pass to an engine: flags and variables that the agent sets, that
+carry credentials, that load, download, write or serve files, log prompts,
+run a model repository's code or send work to other hosts (``docs/catalog.md``:
+every model's arguments are vetted on entry); each refusal is a
+:class:`ValueError` naming the flag or variable and the reason.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.llamacpp import LlamaCppAdapter
-from llmgw.engines.sim import SimAdapter
+from llmgw.engines.sim.adapter import SimAdapter
 
 __all__ = [
     "ALLOWED_ENV_NAMES",
@@ -30,7 +32,7 @@ __all__ = [
 #: Engines :func:`get_adapter` can build.
 ENGINE_NAMES = ("llamacpp", "sim")
 
-#: Every engine name the spec knows, in order; :func:`check_args` accepts these.
+#: Every engine name llmgw knows, in order; :func:`check_args` accepts these.
 KNOWN_ENGINE_NAMES = (
     "comfyui",
     "freetoken",
