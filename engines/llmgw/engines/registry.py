@@ -6,7 +6,7 @@ must not pass to an engine: flags and variables that the agent sets, that
 carry credentials, that load, download, write or serve files, log prompts,
 run a model repository's code or send work to other hosts (``docs/catalog.md``:
 every model's arguments are vetted on entry); each refusal is a
-:class:`ValueError` naming the flag or variable and the reason.
+:class:`~llmgw.errors.InvalidInput` (a ValueError) naming the flag or variable and the reason.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.llamacpp import LlamaCppAdapter
 from llmgw.engines.sim.adapter import SimAdapter
+from llmgw.errors import InvalidInput
 
 __all__ = [
     "ALLOWED_ENV_NAMES",
@@ -203,13 +204,13 @@ def get_adapter(name: str, *, llamacpp_bin: str | None = None) -> EngineAdapter:
             launcher (``python -m llmgw.engines.llamacpp``).
 
     Raises:
-        ValueError: ``name`` is not available; the message lists those that are.
+        InvalidInput: ``name`` is not available; the message lists those that are.
     """
     if name == "llamacpp":
         return LlamaCppAdapter(llamacpp_bin)
     if name == "sim":
         return SimAdapter()
-    raise ValueError(f"unknown engine {name!r}; available: {', '.join(ENGINE_NAMES)}")
+    raise InvalidInput(f"unknown engine {name!r}; available: {', '.join(ENGINE_NAMES)}")
 
 
 def normalise_flag(arg: str) -> str:
@@ -247,11 +248,11 @@ def check_args(engine: str, args: Iterable[str]) -> None:
     ``--trust-remote-code`` is refused for every engine.
 
     Raises:
-        ValueError: ``engine`` is unknown, or a flag is refused; the message
+        InvalidInput: ``engine`` is unknown, or a flag is refused; the message
             names the flag and the reason (``"--hf-repo downloads a model"``).
     """
     if engine not in KNOWN_ENGINE_NAMES:
-        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(KNOWN_ENGINE_NAMES)}")
+        raise InvalidInput(f"unknown engine {engine!r}; known: {', '.join(KNOWN_ENGINE_NAMES)}")
     for arg in args:
         if not arg.startswith("-") or arg == "-":
             continue
@@ -259,7 +260,7 @@ def check_args(engine: str, args: Iterable[str]) -> None:
         reason = _refusal(engine, flag)
         if reason is not None:
             shown = flag if flag == arg else f"{flag} (given as {arg.split('=', 1)[0]})"
-            raise ValueError(f"{engine} argument {shown} is refused: it {reason}")
+            raise InvalidInput(f"{engine} argument {shown} is refused: it {reason}")
 
 
 def _env_refusal(name: str) -> str | None:
@@ -298,12 +299,12 @@ def check_env(env: Mapping[str, str] | Iterable[str]) -> None:
     Values are not checked.
 
     Raises:
-        ValueError: a name is refused; the message names it and the reason.
+        InvalidInput: a name is refused; the message names it and the reason.
     """
     for name in env:
         reason = _env_refusal(name)
         if reason is not None:
-            raise ValueError(f"environment variable {name} is refused: it {reason}")
+            raise InvalidInput(f"environment variable {name} is refused: it {reason}")
 
 
 #: Engines that answer ``n`` choices in one request.
