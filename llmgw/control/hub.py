@@ -1,32 +1,28 @@
 """The agents' hub: the websocket endpoint every agent keeps a link to.
 
-Each connection must present the agent token, then send ``Register`` within
-:data:`REGISTER_TIMEOUT_S`. After that the hub feeds heartbeats and shard
-status into the :class:`~llmgw.control.cluster.Cluster`, hands replies to
-whoever asked, and answers frames it cannot read with ``Error`` without
-dropping the link. Keepalive as on the agent's side: ping after 5 s idle,
-3 s for the pong.
+Links follow the rules of :mod:`llmgw.agent.session` (token, ``Register``
+first within its deadline, version check, keepalive, ``Error`` answers to
+frames that cannot be read). Once an agent has registered, the hub feeds
+its heartbeats and shard status into the
+:class:`~llmgw.control.cluster.Cluster` and hands replies to whoever asked.
+A second agent registering a node already connected is refused.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
-from typing import Final, NoReturn
+from typing import NoReturn
 
 import trio
-import trio_websocket
 
-from llmgw.agent import protocol
-from llmgw.agent.link import PING_AFTER_IDLE_S, PONG_TIMEOUT_S
+from llmgw import errors
+from llmgw.agent import protocol, session
 
 from .cluster import Cluster
 
 __all__ = ["serve_agent_hub"]
 
 log = logging.getLogger("llmgw.control.hub")
-
-REGISTER_TIMEOUT_S: Final = 10.0
 
 
 async def serve_agent_hub(
@@ -49,63 +45,24 @@ async def serve_agent_hub(
         bound port.
     """
 
-    async def handler(request: trio_websocket.WebSocketRequest) -> None:
-        await _handle(request, token, cluster)
+    async def on_link(link: session.Link) -> None:
+        await _handle(link, cluster)
 
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(
-            lambda task_status: trio_websocket.serve_websocket(
-                handler,
-                host,
-                port,
-                None,
-                max_message_size=protocol.MAX_FRAME_BYTES,
-                connect_timeout=10,
-                disconnect_timeout=2,
-                task_status=task_status,
-            )
-        )
-        task_status.started(server.port)
-        await trio.sleep_forever()
-    raise AssertionError("unreachable")
+    await session.serve_links(host, port, token, on_link, task_status=task_status)
 
 
-def _token_of(request: trio_websocket.WebSocketRequest) -> str:
-    for name, value in request.headers:
-        if name.lower() == b"authorization" and value.startswith(b"Bearer "):
-            return value[7:].decode("latin-1")
-    return ""
+async def _handle(link: session.Link, cluster: Cluster) -> None:
+    """One agent's link, from its ``Register`` until it ends.
 
-
-async def _handle(request: trio_websocket.WebSocketRequest, token: str, cluster: Cluster) -> None:
-    if request.path != "/agent":
-        await request.reject(404)
-        return
-    if not hmac.compare_digest(_token_of(request).encode(), token.encode()):
-        log.warning("agent link refused: wrong or missing token")
-        await request.reject(401)
-        return
-    ws = await request.accept()
-    send_lock = trio.Lock()
-    last_heard = trio.current_time()
-
-    async def send(message: protocol.Message) -> None:
-        frame = protocol.encode(message)
-        async with send_lock:
-            await ws.send_message(frame)
-
+    Raises:
+        LinkError: the link failed (the node is marked disconnected first).
+    """
+    # One bound method for the whole link: the cluster's node holds it, and
+    # its identity says whether the node is still this link's.
+    send = link.send
     node_id = ""
     try:
-        with trio.fail_after(REGISTER_TIMEOUT_S):
-            while True:
-                try:
-                    first = protocol.decode(await ws.get_message())
-                except protocol.ProtocolError as exc:
-                    await send(protocol.Error(message=str(exc)))
-                    continue
-                if isinstance(first, protocol.Register):
-                    break
-                await send(protocol.Error(message="the first message must be Register"))
+        first = await session.await_register(link)
         existing = cluster.nodes.get(first.node_id)
         if existing is not None and existing.connected and existing.send is not None:
             # Another agent holds this node's link: two agents for one node
@@ -113,16 +70,17 @@ async def _handle(request: trio_websocket.WebSocketRequest, token: str, cluster:
             log.warning(
                 "agent link for node %s refused: that node is connected already", first.node_id
             )
-            await send(
-                protocol.Error(
-                    message=f"node {first.node_id!r} is connected through another agent already; "
+            await link.refuse(
+                errors.Refused(
+                    f"node {first.node_id!r} is connected through another agent already; "
                     "give this agent its own --node-id"
-                )
+                ),
+                session.POLICY_VIOLATION,
+                "node id in use",
             )
-            with trio.move_on_after(1):
-                await ws.aclose(1008, "node id in use")
             return
         node_id = first.node_id
+        link.name = f"node {node_id}"
         cluster.node_registered(first, send)
         log.info(
             "agent registered: node %s at %s (%d CPUs, %d MiB, %d GPUs)",
@@ -133,45 +91,11 @@ async def _handle(request: trio_websocket.WebSocketRequest, token: str, cluster:
             len(first.hardware.gpus),
         )
         await send(protocol.Registered(node_id=node_id))
-
-        async def keepalive() -> None:
-            while True:
-                idle_s = trio.current_time() - last_heard
-                if idle_s < PING_AFTER_IDLE_S:
-                    await trio.sleep(PING_AFTER_IDLE_S - idle_s)
-                    continue
-                with trio.fail_after(PONG_TIMEOUT_S):
-                    await ws.ping()
-                _touch()
-
-        def _touch() -> None:
-            nonlocal last_heard
-            last_heard = trio.current_time()
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(keepalive)
+            nursery.start_soon(link.keepalive)
             while True:
-                frame = await ws.get_message()
-                _touch()
-                try:
-                    message = protocol.decode(frame)
-                except protocol.ProtocolError as exc:
-                    log.warning("bad frame from node %s: %s", node_id, exc)
-                    await send(protocol.Error(message=str(exc)))
-                    continue
-                _dispatch(cluster, node_id, message)
-    except* (trio_websocket.ConnectionClosed, trio.TooSlowError, trio.BrokenResourceError) as group:
-        log.warning(
-            "agent link %s closed: %s",
-            node_id or "(unregistered)",
-            type(group.exceptions[0]).__name__,
-        )
+                _dispatch(cluster, node_id, await link.receive())
     finally:
-        if ws.closed is None:
-            # Still open: the control plane is stopping. Say so, so the agent
-            # does not take it for a broken link.
-            with trio.CancelScope(shield=True), trio.move_on_after(1):
-                await ws.aclose(1001, "control plane stopping")
         node = cluster.nodes.get(node_id) if node_id else None
         if node is not None and node.send is send:
             # Only this link's own node: a later link of the same node stays.

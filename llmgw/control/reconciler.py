@@ -61,8 +61,8 @@ from typing import Final, NoReturn, Protocol
 import trio
 
 from llmgw.agent import protocol
-from llmgw.agent.link import LINK_ERRORS
 from llmgw.agent.protocol import ShardState
+from llmgw.errors import LinkError
 from llmgw.store import ModelRecord, Profile, StoreError
 
 from .cluster import (
@@ -569,7 +569,7 @@ async def _start(cluster: Cluster, shard: ShardInfo, model: ModelRecord, profile
     try:
         with trio.fail_after(SEND_TIMEOUT_S):
             await node.send(message)
-    except LINK_ERRORS as exc:
+    except (LinkError, trio.TooSlowError) as exc:
         log.warning("could not send StartShard for %s: %r", shard.shard_id, exc)
     return True
 
@@ -651,7 +651,7 @@ async def _send_stop(cluster: Cluster, node_id: str, shard_id: str) -> None:
     try:
         with trio.fail_after(SEND_TIMEOUT_S):
             await node.send(protocol.StopShard(correlation_id=uuid.uuid4().hex, shard_id=shard_id))
-    except LINK_ERRORS as exc:
+    except (LinkError, trio.TooSlowError) as exc:
         log.warning("could not send StopShard for %s to %s: %r", shard_id, node_id, exc)
 
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw import errors
 from llmgw.agent import protocol
 from llmgw.agent.protocol import (
     MAX_FRAME_BYTES,
@@ -22,6 +23,7 @@ from llmgw.agent.protocol import (
     ShardStatus,
     StartShard,
     UnknownMessage,
+    VersionMismatch,
     decode,
     encode,
 )
@@ -84,8 +86,32 @@ def test_a_frame_names_its_type_and_protocol_version() -> None:
 
 def test_an_unknown_message_type_is_refused_with_its_name() -> None:
     with pytest.raises(UnknownMessage) as caught:
-        decode(msgpack.packb({"type": "FabricTest", "v": 9, "a": 1}))
+        decode(msgpack.packb({"type": "FabricTest", "v": protocol.PROTOCOL_VERSION, "a": 1}))
     assert caught.value.type_name == "FabricTest"
+
+
+@pytest.mark.parametrize("type_name", ["Heartbeat", "FabricTest"])
+def test_a_frame_of_another_version_is_refused_naming_both_versions(type_name: str) -> None:
+    # Checked before the type: a newer version may name messages this one lacks.
+    with pytest.raises(VersionMismatch) as caught:
+        decode(msgpack.packb({"type": type_name, "v": 2}))
+    assert (caught.value.theirs, caught.value.ours) == (2, 1)
+    assert str(caught.value) == "the peer speaks protocol 2, this side speaks 1"
+    named = VersionMismatch(2, peer="agent", me="this control plane")
+    assert str(named) == "agent speaks protocol 2, this control plane speaks 1"
+
+
+def test_a_frame_without_a_version_is_taken_as_this_version() -> None:
+    doc = msgpack.unpackb(encode(EXAMPLES[-1]))
+    del doc["v"]
+    assert decode(msgpack.packb(doc)) == EXAMPLES[-1]
+
+
+def test_the_protocol_errors_are_the_error_trees() -> None:
+    assert protocol.ProtocolError is errors.ProtocolError
+    for cls in (FrameTooLarge, UnknownMessage, BadFrame, VersionMismatch):
+        assert issubclass(cls, errors.ProtocolError)
+        assert issubclass(cls, errors.LinkError)
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
@@ -113,6 +139,7 @@ def test_a_message_too_large_to_send_is_refused_at_encoding() -> None:
         msgpack.packb({"no": "type"}),
         msgpack.packb({"type": "StopShard"}),  # missing fields
         msgpack.packb({"type": "StopShard", "correlation_id": 1, "shard_id": ["x"]}),
+        msgpack.packb({"type": "StopShard", "v": "1", "correlation_id": "c", "shard_id": "s"}),
         "a text frame",
     ],
 )

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio_websocket
 
-from llmgw.agent import protocol
+from llmgw.agent import protocol, session
 from llmgw.control.cluster import Cluster
 from llmgw.control.hub import serve_agent_hub
 
@@ -82,7 +82,7 @@ async def test_unknown_and_malformed_frames_are_answered_with_an_error_and_the_l
                 await ws.send_message(protocol.encode(REGISTER))
                 assert isinstance(protocol.decode(await ws.get_message()), protocol.Registered)
                 for frame in (
-                    msgpack.packb({"type": "FromTheFuture", "v": 7}),
+                    msgpack.packb({"type": "FromTheFuture", "v": protocol.PROTOCOL_VERSION}),
                     b"\xc1\xc1",
                     msgpack.packb({"type": "ShardStatus", "shard_id": 3}),
                 ):
@@ -96,6 +96,81 @@ async def test_unknown_and_malformed_frames_are_answered_with_an_error_and_the_l
                 await ws.send_message(protocol.encode(beat))
                 await ws.ping()
                 assert cluster.nodes["node-a"].memory_available_mb == 512
+            nursery.cancel_scope.cancel()
+
+
+def _other_version(message: protocol.Message, version: int = 2) -> bytes:
+    doc = msgpack.unpackb(protocol.encode(message))
+    doc["v"] = version
+    frame: bytes = msgpack.packb(doc)
+    return frame
+
+
+async def _closing_code(ws: trio_websocket.WebSocketConnection) -> int | None:
+    with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+        await ws.get_message()
+    return closed.value.reason.code if closed.value.reason is not None else None
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_register_of_another_version_is_answered_and_the_link_closed() -> None:
+    cluster = Cluster()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            url = await _hub(nursery, cluster)
+            async with trio_websocket.open_websocket_url(url, extra_headers=_auth()) as ws:
+                await ws.send_message(_other_version(REGISTER))
+                error = protocol.decode(await ws.get_message())
+                assert error == protocol.Error(
+                    message="agent speaks protocol 2, this control plane speaks 1"
+                )
+                assert await _closing_code(ws) == session.PROTOCOL_ERROR
+            assert "node-a" not in cluster.nodes
+            nursery.cancel_scope.cancel()
+    gc.collect()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_registered_agent_sending_another_version_is_disconnected() -> None:
+    cluster = Cluster()
+    beat = protocol.Heartbeat(
+        node_id="node-a", memory_total_mb=1024, memory_available_mb=512, cpu_count=2
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            url = await _hub(nursery, cluster)
+            async with trio_websocket.open_websocket_url(url, extra_headers=_auth()) as ws:
+                await ws.send_message(protocol.encode(REGISTER))
+                assert isinstance(protocol.decode(await ws.get_message()), protocol.Registered)
+                await ws.send_message(_other_version(beat, 3))
+                error = protocol.decode(await ws.get_message())
+                assert error == protocol.Error(
+                    message="agent speaks protocol 3, this control plane speaks 1"
+                )
+                assert await _closing_code(ws) == session.PROTOCOL_ERROR
+            while cluster.nodes["node-a"].connected:
+                await cluster.changed.wait()
+            assert cluster.nodes["node-a"].memory_available_mb != 512
+            nursery.cancel_scope.cancel()
+    gc.collect()
+
+
+async def test_frames_before_register_are_answered_and_the_link_waits_for_it() -> None:
+    cluster = Cluster()
+    beat = protocol.Heartbeat(
+        node_id="node-a", memory_total_mb=1024, memory_available_mb=512, cpu_count=2
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            url = await _hub(nursery, cluster)
+            async with trio_websocket.open_websocket_url(url, extra_headers=_auth()) as ws:
+                await ws.send_message(protocol.encode(beat))
+                error = protocol.decode(await ws.get_message())
+                assert error == protocol.Error(message="the first message must be Register")
+                await ws.send_message(protocol.encode(REGISTER))
+                assert isinstance(protocol.decode(await ws.get_message()), protocol.Registered)
             nursery.cancel_scope.cancel()
 
 

@@ -1,16 +1,17 @@
 """The agent's side of the link: connect, register, heartbeat, obey, reconnect.
 
-One websocket to the control plane's agent hub. On every connect the agent
-sends :class:`~llmgw.agent.protocol.Register` with its whole state (hardware
-and running shards), then heartbeats every :data:`HEARTBEAT_INTERVAL_S` and
-the supervisor's shard status changes as they happen. Commands
-(``StartShard``, ``StopShard``, ``LogsRequest``) are carried out as they come.
+One websocket to the control plane's agent hub, under the rules of
+:mod:`llmgw.agent.session` (handshake, version check, keepalive, errors). On
+every connect the agent sends :class:`~llmgw.agent.protocol.Register` with
+its whole state (hardware and running shards), then heartbeats every
+:data:`HEARTBEAT_INTERVAL_S` and the supervisor's shard status changes as
+they happen. Commands (``StartShard``, ``StopShard``, ``LogsRequest``) are
+carried out as they come; one that fails with an :class:`llmgw.errors.LlmgwError`
+is answered with ``Error``.
 
-A dead peer is noticed by the keepalive: after :data:`PING_AFTER_IDLE_S` of
-silence the agent pings and waits :data:`PONG_TIMEOUT_S` for the pong
-(about 8 s in all, not the kernel's minutes). Then it reconnects with
-exponential back-off and jitter (0.5 s doubling to 15 s), reset once a
-session has heard from its control plane (``shared/spec/agent.md``).
+When the link fails (the keepalive notices a dead peer in about 8 s) the
+agent reconnects with exponential back-off and jitter (0.5 s doubling to
+15 s), reset once a session has been accepted by its control plane.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from typing import Final, NoReturn
 
 import attrs
 import trio
-import trio_websocket
 
-from . import protocol
+from llmgw import errors
+
+from . import session
 from .protocol import (
     Error,
     Heartbeat,
@@ -43,23 +45,13 @@ __all__ = ["HEARTBEAT_INTERVAL_S", "AgentHandlers", "serve_link"]
 log = logging.getLogger("llmgw.agent.link")
 
 HEARTBEAT_INTERVAL_S: Final = 5.0
-PING_AFTER_IDLE_S: Final = 5.0
-PONG_TIMEOUT_S: Final = 3.0
 BACKOFF_FIRST_S: Final = 0.5
 BACKOFF_MAX_S: Final = 15.0
-CONNECT_TIMEOUT_S: Final = 10.0
-#: Frames waiting to go out on one link; a full queue makes the sender wait.
-OUTBOX_SIZE: Final = 256
 
-#: What ends one session and starts a reconnect. Anything else is a bug and
-#: propagates.
-LINK_ERRORS: Final = (
-    trio_websocket.HandshakeError,
-    trio_websocket.ConnectionClosed,
-    OSError,
-    trio.TooSlowError,
-    trio.BrokenResourceError,
-)
+#: What ends one session and starts a reconnect: the link failing, or an
+#: OSError from the agent's own side while it serves the session (a state
+#: file it cannot write). Anything else is a bug and propagates.
+SESSION_ENDERS: Final = (errors.LinkError, OSError)
 
 
 @attrs.define(kw_only=True)
@@ -115,14 +107,11 @@ async def serve_link(
             heard = True
 
         try:
-            await _one_session(url, token, handlers, mark_heard)
-        except* LINK_ERRORS as group:
-            cause = _first(group)
-            if (
-                isinstance(cause, trio_websocket.ConnectionClosed)
-                and cause.reason is not None
-                and cause.reason.code == 1001
-            ):
+            async with session.connect(url, token, handlers.register) as link:
+                await _Session(link, handlers, mark_heard).run()
+        except* SESSION_ENDERS as group:
+            cause = session.first_leaf(group)
+            if isinstance(cause, session.PeerStopping):
                 log.info("the control plane at %s is stopping; will reconnect", url)
             else:
                 log.warning("link to %s lost: %s", url, _describe(cause))
@@ -137,76 +126,30 @@ async def serve_link(
                 pass
 
 
-def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The first leaf exception of a (possibly nested) group."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
-
-
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, trio_websocket.ConnectionClosed):
-        return f"closed ({exc.reason})"
-    if isinstance(exc, trio_websocket.ConnectionRejected):
-        return f"rejected with HTTP {exc.status_code}"
+    if isinstance(exc, errors.LinkError):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
-
-
-async def _one_session(
-    url: str, token: str, handlers: AgentHandlers, mark_heard: Callable[[], None]
-) -> None:
-    headers = [(b"authorization", f"Bearer {token}".encode())]
-    async with trio_websocket.open_websocket_url(
-        url,
-        extra_headers=headers,
-        max_message_size=protocol.MAX_FRAME_BYTES,
-        connect_timeout=CONNECT_TIMEOUT_S,
-        disconnect_timeout=2,
-    ) as ws:
-        await _Session(ws, handlers, mark_heard).run()
 
 
 class _Session:
     def __init__(
-        self,
-        ws: trio_websocket.WebSocketConnection,
-        handlers: AgentHandlers,
-        mark_heard: Callable[[], None],
+        self, link: session.Link, handlers: AgentHandlers, mark_heard: Callable[[], None]
     ) -> None:
-        self._ws = ws
+        self._link = link
         self._h = handlers
         self._mark_heard = mark_heard
-        self._last_heard = trio.current_time()
-        self._send_lock = trio.Lock()
-
-    async def send(self, message: Message) -> None:
-        frame = protocol.encode(message)
-        async with self._send_lock:
-            await self._ws.send_message(frame)
 
     async def run(self) -> None:
-        await self.send(await self._h.register())
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats)
-            nursery.start_soon(self._keepalive)
+            nursery.start_soon(self._link.keepalive)
             nursery.start_soon(self._relay_status)
             await self._read(nursery)
 
     async def _read(self, nursery: trio.Nursery) -> None:
         while True:
-            frame = await self._ws.get_message()
-            self._last_heard = trio.current_time()
-            try:
-                message = protocol.decode(frame)
-            except protocol.UnknownMessage as exc:
-                log.warning("control plane sent %s; ignored", exc)
-                await self.send(Error(message=str(exc)))
-                continue
-            except protocol.ProtocolError as exc:
-                log.warning("bad frame from control plane: %s", exc)
-                await self.send(Error(message=str(exc)))
-                continue
+            message = await self._link.receive()
             if isinstance(message, Registered):
                 # Only an accepted registration resets the back-off: a control
                 # plane refusing this agent (its node is connected through
@@ -215,6 +158,15 @@ class _Session:
             nursery.start_soon(self._obey, message)
 
     async def _obey(self, message: Message) -> None:
+        try:
+            await self._carry_out(message)
+        except errors.LinkError:
+            raise
+        except errors.LlmgwError as exc:
+            log.warning("%s failed: %s", type(message).__name__, exc)
+            await self._link.answer(exc, getattr(message, "correlation_id", ""))
+
+    async def _carry_out(self, message: Message) -> None:
         match message:
             case Registered():
                 log.info("registered with the control plane as %s", message.node_id)
@@ -227,9 +179,9 @@ class _Session:
                 try:
                     lines = self._h.logs(message.source, message.lines)
                 except LookupError as exc:
-                    await self.send(Error(message=str(exc), correlation_id=message.correlation_id))
+                    await self._link.answer(exc, message.correlation_id)
                     return
-                await self.send(
+                await self._link.send(
                     LogsReply(
                         correlation_id=message.correlation_id,
                         lines=tuple(lines),
@@ -239,23 +191,15 @@ class _Session:
             case Error():
                 log.warning("control plane reports an error: %s", message.message)
             case _:
-                await self.send(Error(message=f"{type(message).__name__} is not for an agent"))
+                await self._link.answer(
+                    errors.ProtocolError(f"{type(message).__name__} is not for an agent")
+                )
 
     async def _heartbeats(self) -> None:
         while True:
             await trio.sleep(HEARTBEAT_INTERVAL_S)
-            await self.send(await self._h.heartbeat())
-
-    async def _keepalive(self) -> None:
-        while True:
-            idle_s = trio.current_time() - self._last_heard
-            if idle_s < PING_AFTER_IDLE_S:
-                await trio.sleep(PING_AFTER_IDLE_S - idle_s)
-                continue
-            with trio.fail_after(PONG_TIMEOUT_S):
-                await self._ws.ping()
-            self._last_heard = trio.current_time()
+            await self._link.send(await self._h.heartbeat())
 
     async def _relay_status(self) -> None:
         async for status in self._h.status_events:
-            await self.send(status)
+            await self._link.send(status)

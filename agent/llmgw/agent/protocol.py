@@ -5,14 +5,19 @@ A frame is one websocket binary message holding one msgpack map::
     {"type": "<message class name>", "v": PROTOCOL_VERSION, ...fields}
 
 Messages are frozen attrs classes in one tagged union (:data:`Message`),
-structured and unstructured by one cattrs msgpack converter. Rules
-(``shared/spec/agent.md``, Wire protocol; ``shared/design/ARCHITECTURE.md``):
+structured and unstructured by one cattrs msgpack converter. Rules:
 
-- unknown fields are ignored (forward compatibility across versions);
+- unknown fields are ignored (forward compatibility within a version);
+- a ``v`` other than :data:`PROTOCOL_VERSION` raises :class:`VersionMismatch`
+  (a frame without ``v`` is taken as this version);
 - an unknown ``type`` raises :class:`UnknownMessage` — the receiver answers
   with :class:`Error` and keeps the link;
 - a frame longer than :data:`MAX_FRAME_BYTES` raises :class:`FrameTooLarge`;
 - anything else malformed raises :class:`BadFrame`.
+
+All four derive from :class:`llmgw.errors.ProtocolError` (which
+:class:`ProtocolError` here is). What each end of the link does about them
+is :mod:`llmgw.agent.session`'s.
 
 Commands from the control plane carry a ``correlation_id`` echoed by the
 reply. ``StartShard`` is idempotent by ``shard_id``.
@@ -27,6 +32,8 @@ import attrs
 import cattrs
 import msgpack
 from cattrs.preconf.msgpack import make_converter
+
+from llmgw import errors
 
 __all__ = [
     "MAX_FRAME_BYTES",
@@ -50,6 +57,7 @@ __all__ = [
     "StartShard",
     "StopShard",
     "UnknownMessage",
+    "VersionMismatch",
     "decode",
     "encode",
 ]
@@ -60,8 +68,8 @@ PROTOCOL_VERSION: Final = 1
 MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 
 
-class ProtocolError(Exception):
-    """A frame could not be turned into a message."""
+#: A frame that could not be turned into a message (the tree's class itself).
+ProtocolError = errors.ProtocolError
 
 
 class FrameTooLarge(ProtocolError):
@@ -82,6 +90,23 @@ class UnknownMessage(ProtocolError):
 
 class BadFrame(ProtocolError):
     """The frame is not a msgpack map of a known message with valid fields."""
+
+
+class VersionMismatch(ProtocolError):
+    """The frame is of another protocol version than :data:`PROTOCOL_VERSION`.
+
+    The message names both versions: ``"agent speaks protocol 2, this
+    control plane speaks 1"`` when ``peer`` and ``me`` name the two ends.
+
+    Attributes:
+        theirs: the frame's ``v``.
+        ours: :data:`PROTOCOL_VERSION`.
+    """
+
+    def __init__(self, theirs: int, *, peer: str = "the peer", me: str = "this side") -> None:
+        super().__init__(f"{peer} speaks protocol {theirs}, {me} speaks {PROTOCOL_VERSION}")
+        self.theirs = theirs
+        self.ours: int = PROTOCOL_VERSION
 
 
 class ShardState(enum.StrEnum):
@@ -128,7 +153,7 @@ class Hardware:
 
 @attrs.frozen(kw_only=True)
 class EngineProfile:
-    """How to run one replica (agent.md, ``EngineProfile``).
+    """How to run one replica.
 
     Attributes:
         name: the model's catalog name.
@@ -354,6 +379,8 @@ def decode(frame: bytes | str) -> Message:
 
     Raises:
         FrameTooLarge: the frame exceeds :data:`MAX_FRAME_BYTES` (not parsed).
+        VersionMismatch: ``v`` is another protocol version (checked before
+            ``type``: a newer version may name messages this one does not know).
         UnknownMessage: ``type`` names no known message.
         BadFrame: not a msgpack map, no ``type``, or fields of the wrong shape.
     """
@@ -367,8 +394,12 @@ def decode(frame: bytes | str) -> Message:
         raise BadFrame(f"not msgpack: {exc}") from exc
     if not isinstance(doc, dict):
         raise BadFrame("frame is not a map")
+    version = doc.pop("v", PROTOCOL_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise BadFrame(f"'v' must be a whole number, not {type(version).__name__}")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(version)
     type_name = doc.pop("type", None)
-    doc.pop("v", None)
     doc.pop("trace", None)
     if not isinstance(type_name, str):
         raise BadFrame("frame has no 'type'")

@@ -1,0 +1,396 @@
+"""The rules of an agent link, for both of its ends.
+
+An agent keeps one websocket to its control plane's agent hub
+(``ws://host:port/agent``, ``wss://`` across machines) carrying the frames
+of :mod:`llmgw.agent.protocol`. The agent's end (:func:`connect`, used by
+:mod:`llmgw.agent.link`) and the control plane's (:func:`serve_links`, used
+by :mod:`llmgw.control.hub`) follow these rules, written here once:
+
+Handshake
+    The agent connects with the agent token in ``Authorization: Bearer``
+    (another path: HTTP 404; a wrong or missing token: HTTP 401) within
+    :data:`CONNECT_TIMEOUT_S`, and speaks first: its first frame is
+    ``Register`` with its whole state. The control plane waits
+    :data:`REGISTER_TIMEOUT_S` for it (:func:`await_register`), answering
+    any other frame with ``Error`` meanwhile, then answers ``Registered``,
+    or refuses with ``Error`` and closes with :data:`POLICY_VIOLATION`.
+Version
+    A frame of another protocol version is answered with ``Error`` naming
+    both versions ("agent speaks protocol 2, this control plane speaks 1"),
+    the link is closed with :data:`PROTOCOL_ERROR`, and
+    :class:`~llmgw.agent.protocol.VersionMismatch` is raised.
+Frames
+    Sent whole and one at a time (a lock per link). A frame that cannot be
+    read (an unknown type, a bad shape) is answered with ``Error`` and the
+    link stays. Every ``Error`` frame is made by :func:`error_frame`.
+Keepalive
+    After :data:`PING_AFTER_IDLE_S` without a frame or a pong from the peer,
+    ping; no pong within :data:`PONG_TIMEOUT_S` ends the link (a dead peer is
+    noticed in about 8 s, not the kernel's minutes).
+Closing
+    The control plane closes the links it still holds with
+    :data:`GOING_AWAY` when it stops, so that agents reconnect without
+    taking it for a failure.
+Errors
+    Every failure of the socket (closed, reset, refused, timed out) surfaces
+    as :class:`llmgw.errors.LinkClosed` (:class:`PeerStopping` when the peer
+    closed with :data:`GOING_AWAY`); a frame that breaks the protocol as
+    :class:`llmgw.errors.ProtocolError`. Callers catch
+    :class:`llmgw.errors.LinkError` and never see trio-websocket's errors.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Final, NoReturn
+
+import trio
+import trio_websocket
+
+from llmgw import errors
+
+from . import protocol
+
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "CONNECT_TIMEOUT_S",
+    "DISCONNECT_TIMEOUT_S",
+    "GOING_AWAY",
+    "PATH",
+    "PING_AFTER_IDLE_S",
+    "POLICY_VIOLATION",
+    "PONG_TIMEOUT_S",
+    "PROTOCOL_ERROR",
+    "REGISTER_TIMEOUT_S",
+    "Link",
+    "PeerStopping",
+    "await_register",
+    "connect",
+    "error_frame",
+    "first_leaf",
+    "serve_links",
+]
+
+log = logging.getLogger("llmgw.agent.session")
+
+#: The websocket path of the control plane's agent hub.
+PATH: Final = "/agent"
+#: Seconds for the websocket handshake (TCP connect and HTTP upgrade).
+CONNECT_TIMEOUT_S: Final = 10.0
+#: Seconds for the closing handshake when trio-websocket closes a link.
+DISCONNECT_TIMEOUT_S: Final = 2.0
+#: Seconds the control plane waits for an agent's ``Register``.
+REGISTER_TIMEOUT_S: Final = 10.0
+#: Seconds of silence from the peer before a ping.
+PING_AFTER_IDLE_S: Final = 5.0
+#: Seconds to wait for the pong before the link is taken as dead.
+PONG_TIMEOUT_S: Final = 3.0
+#: Seconds an end waits for its closing handshake when it closes a link.
+CLOSE_TIMEOUT_S: Final = 1.0
+
+#: Websocket close codes: stopping, a broken protocol rule, a refusal.
+GOING_AWAY: Final = 1001
+PROTOCOL_ERROR: Final = 1002
+POLICY_VIOLATION: Final = 1008
+
+#: What a failing socket raises inside trio-websocket; turned into LinkClosed.
+_SOCKET_ERRORS: Final = (
+    trio_websocket.HandshakeError,
+    trio_websocket.ConnectionClosed,
+    OSError,
+    trio.BrokenResourceError,
+)
+
+
+class PeerStopping(errors.LinkClosed):
+    """The peer closed the link with :data:`GOING_AWAY`: it is stopping."""
+
+
+def error_frame(exc: errors.LlmgwError | LookupError, correlation_id: str = "") -> protocol.Error:
+    """The ``Error`` frame answering ``exc``: ``message`` is ``str(exc)``, and
+    ``correlation_id`` echoes the command's (empty when the error answers no
+    command). The one place an error becomes a frame."""
+    return protocol.Error(message=str(exc), correlation_id=correlation_id)
+
+
+@contextmanager
+def _translating(peer: str) -> Iterator[None]:
+    """Turn a socket failure inside into :class:`~llmgw.errors.LinkClosed`."""
+    try:
+        yield
+    except _SOCKET_ERRORS as exc:
+        raise _closed(exc, peer) from exc
+
+
+def _closed(exc: BaseException, peer: str) -> errors.LinkClosed:
+    """The :class:`~llmgw.errors.LinkClosed` for a socket failure ``exc``."""
+    if isinstance(exc, trio_websocket.ConnectionClosed):
+        reason = exc.reason
+        if reason is not None and reason.code == GOING_AWAY:
+            return PeerStopping(f"the {peer} is stopping ({reason})")
+        return errors.LinkClosed(f"closed ({reason})")
+    if isinstance(exc, trio_websocket.ConnectionRejected):
+        return errors.LinkClosed(f"rejected with HTTP {exc.status_code}")
+    return errors.LinkClosed(f"{type(exc).__name__}: {exc}")
+
+
+class Link:
+    """One open link, seen from one end.
+
+    Attributes:
+        me, peer: what this end and the other are ("agent", "control
+            plane"), for the messages of errors the link raises.
+        name: who is at the other end, for logs ("node node-a").
+    """
+
+    def __init__(
+        self, ws: trio_websocket.WebSocketConnection, *, me: str, peer: str, name: str = ""
+    ) -> None:
+        self.me = me
+        self.peer = peer
+        self.name = name or peer
+        self._ws = ws
+        self._send_lock = trio.Lock()
+        self._last_heard = trio.current_time()
+
+    async def send(self, message: protocol.Message) -> None:
+        """Send ``message`` as one frame, after any frame already going out.
+
+        Raises:
+            FrameTooLarge: the frame would exceed ``MAX_FRAME_BYTES``.
+            LinkClosed: the link is closed or broke.
+        """
+        frame = protocol.encode(message)
+        async with self._send_lock:
+            with _translating(self.peer):
+                await self._ws.send_message(frame)
+
+    async def answer(self, exc: errors.LlmgwError | LookupError, correlation_id: str = "") -> None:
+        """Send :func:`error_frame` for ``exc``.
+
+        Raises:
+            LinkClosed: the link is closed or broke.
+        """
+        await self.send(error_frame(exc, correlation_id))
+
+    async def receive(self) -> protocol.Message:
+        """The next message from the peer. Frames that cannot be read are
+        answered with ``Error`` and skipped.
+
+        Raises:
+            VersionMismatch: a frame of another protocol version; it was
+                answered with ``Error`` and the link is closed.
+            LinkClosed: the link is closed or broke.
+        """
+        while True:
+            with _translating(self.peer):
+                frame = await self._ws.get_message()
+            self._last_heard = trio.current_time()
+            try:
+                return protocol.decode(frame)
+            except protocol.VersionMismatch as exc:
+                mismatch = protocol.VersionMismatch(
+                    exc.theirs, peer=self.peer, me=f"this {self.me}"
+                )
+                await self.refuse(mismatch, PROTOCOL_ERROR, "protocol version mismatch")
+                raise mismatch from exc
+            except errors.ProtocolError as exc:
+                log.warning("bad frame from %s: %s", self.name, exc)
+                await self.answer(exc)
+
+    async def refuse(self, exc: errors.LlmgwError, code: int, reason: str) -> None:
+        """Answer ``exc`` with ``Error`` if the link still carries it, then
+        close with ``code`` and ``reason`` (see :meth:`close`)."""
+        try:
+            await self.answer(exc)
+        except errors.LinkClosed:
+            pass
+        await self.close(code, reason)
+
+    async def keepalive(self) -> NoReturn:
+        """Ping the peer after :data:`PING_AFTER_IDLE_S` of silence, forever.
+
+        Raises:
+            LinkClosed: no pong within :data:`PONG_TIMEOUT_S`, or the link
+                closed.
+        """
+        while True:
+            idle_s = trio.current_time() - self._last_heard
+            if idle_s < PING_AFTER_IDLE_S:
+                await trio.sleep(PING_AFTER_IDLE_S - idle_s)
+                continue
+            with trio.move_on_after(PONG_TIMEOUT_S) as waited:
+                with _translating(self.peer):
+                    await self._ws.ping()
+            if waited.cancelled_caught:
+                raise errors.LinkClosed(
+                    f"the {self.peer} did not answer a ping within {PONG_TIMEOUT_S:g} s"
+                )
+            self._last_heard = trio.current_time()
+
+    async def close(self, code: int = 1000, reason: str | None = None) -> None:
+        """Close the link with ``code``; a no-op when it is closed already.
+        Shielded from cancellation and bounded by :data:`CLOSE_TIMEOUT_S`."""
+        if self._ws.closed is not None:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+            await self._ws.aclose(code, reason)
+
+
+# --- the agent's end ------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def connect(
+    url: str, token: str, register: Callable[[], Awaitable[protocol.Register]]
+) -> AsyncIterator[Link]:
+    """Open a link to the control plane at ``url`` and send the ``Register``
+    that ``register`` builds; closed on exit.
+
+    Args:
+        url: ``ws://host:port/agent`` (``wss://`` across machines).
+        token: the agent token.
+        register: builds the agent's ``Register`` (its whole state).
+
+    Raises:
+        LinkClosed: the control plane cannot be reached, refuses the
+            handshake, or the link breaks while it opens or closes. Errors
+            from the body pass through as they are, even when closing the
+            link fails after them.
+    """
+    body_error: BaseException | None = None
+    try:
+        async with trio_websocket.open_websocket_url(
+            url,
+            extra_headers=[(b"authorization", f"Bearer {token}".encode())],
+            max_message_size=protocol.MAX_FRAME_BYTES,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            disconnect_timeout=DISCONNECT_TIMEOUT_S,
+        ) as ws:
+            link = Link(ws, me="agent", peer="control plane", name=f"the control plane at {url}")
+            try:
+                await link.send(await register())
+                yield link
+            except BaseException as exc:
+                body_error = exc
+                raise
+    except _SOCKET_ERRORS as exc:
+        if body_error is not None:
+            # The body's own error says more than a failure to close after it
+            # (a dead peer does not answer the closing handshake either).
+            raise body_error from None
+        raise _closed(exc, "control plane") from exc
+
+
+# --- the control plane's end --------------------------------------------------------
+
+
+async def serve_links(
+    host: str,
+    port: int,
+    token: str,
+    on_link: Callable[[Link], Awaitable[None]],
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Accept agent links on ``host:port`` and run ``on_link`` for each, until
+    cancelled.
+
+    A link whose request has another path than :data:`PATH` is refused with
+    HTTP 404, one without ``token`` with HTTP 401. Once ``on_link`` returns
+    or raises, a link still open is closed with :data:`GOING_AWAY`; a
+    :class:`~llmgw.errors.LinkError` it raises ends that link alone (logged).
+
+    Args:
+        host, port: where to listen (port 0 picks a free one).
+        token: the agent token links must present (``Authorization: Bearer``).
+        on_link: the control plane's side of one link.
+
+    Returns:
+        Never returns unless cancelled; ``task_status.started`` gets the
+        bound port.
+    """
+
+    async def handler(request: trio_websocket.WebSocketRequest) -> None:
+        await _serve_one(request, token, on_link)
+
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(
+            lambda task_status: trio_websocket.serve_websocket(
+                handler,
+                host,
+                port,
+                None,
+                max_message_size=protocol.MAX_FRAME_BYTES,
+                connect_timeout=CONNECT_TIMEOUT_S,
+                disconnect_timeout=DISCONNECT_TIMEOUT_S,
+                task_status=task_status,
+            )
+        )
+        task_status.started(server.port)
+        await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+def _token_of(request: trio_websocket.WebSocketRequest) -> str:
+    for name, value in request.headers:
+        if name.lower() == b"authorization" and value.startswith(b"Bearer "):
+            return value[7:].decode("latin-1")
+    return ""
+
+
+def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf exception of a (possibly nested) group."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _serve_one(
+    request: trio_websocket.WebSocketRequest,
+    token: str,
+    on_link: Callable[[Link], Awaitable[None]],
+) -> None:
+    name = "an agent not registered yet"
+    try:
+        with _translating("agent"):
+            if request.path != PATH:
+                await request.reject(404)
+                return
+            if not hmac.compare_digest(_token_of(request).encode(), token.encode()):
+                log.warning("agent link refused: wrong or missing token")
+                await request.reject(401)
+                return
+            ws = await request.accept()
+        link = Link(ws, me="control plane", peer="agent", name=name)
+        try:
+            await on_link(link)
+        finally:
+            name = link.name
+            # Still open: the control plane is stopping. Say so, so that the
+            # agent does not take it for a broken link.
+            await link.close(GOING_AWAY, "control plane stopping")
+    except* errors.LinkError as group:
+        log.warning("link to %s closed: %s", name, first_leaf(group))
+
+
+async def await_register(link: Link) -> protocol.Register:
+    """The agent's first message, which must be ``Register``; other frames
+    are answered with ``Error`` until it comes.
+
+    Raises:
+        ProtocolError: no ``Register`` within :data:`REGISTER_TIMEOUT_S`.
+        VersionMismatch: a frame of another protocol version (link closed).
+        LinkClosed: the link closed or broke.
+    """
+    with trio.move_on_after(REGISTER_TIMEOUT_S):
+        while True:
+            message = await link.receive()
+            if isinstance(message, protocol.Register):
+                return message
+            await link.answer(errors.ProtocolError("the first message must be Register"))
+    raise errors.ProtocolError(f"no Register within {REGISTER_TIMEOUT_S:g} s")
