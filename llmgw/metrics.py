@@ -1,4 +1,4 @@
-"""The control plane's Prometheus metrics (``shared/spec/observability.md``).
+"""The control plane's Prometheus metrics.
 
 One registry per process, served on its own listener (:9091 by default,
 never the admin port).

@@ -1,8 +1,13 @@
-"""Server settings: ``server.yaml`` read through a cattrs converter that
-refuses unknown keys, naming their path.
+"""The control plane's settings: one attrs tree (``ServerSettings``) and its
+one cattrs converter, both ways (:func:`settings_from_doc`,
+:func:`settings_to_doc`), which refuses unknown keys naming their path.
 
-Only the ``auth`` block exists yet (``shared/spec/accounting.md``,
-``tenancy-and-keys.md``)::
+This is the bottom layer: every package may import it, it imports nothing of
+llmgw but the error tree. ``server.yaml`` seeds the settings; the control
+plane then keeps them in the store (``llmgw.control.live``).
+
+The tree, with its defaults, is ``ServerSettings`` below; the ``auth`` block
+for example::
 
     auth:
       default_rpm: 60            # requests a minute for keys with no limit on their path
@@ -18,7 +23,7 @@ Only the ``auth`` block exists yet (``shared/spec/accounting.md``,
 
 Durations are numbers of seconds or strings like ``45s``, ``30m``, ``12h``,
 ``90d``. ``llmgw up`` reads ``DATA_DIR/server.yaml`` when it exists (or
-``--config FILE``); live settings in the store come with the catalog work.
+``--config FILE``).
 """
 
 from __future__ import annotations
@@ -219,7 +224,7 @@ class ServingSettings:
 
 @attrs.frozen(kw_only=True)
 class OnDemandSettings:
-    """``on_demand`` (``shared/spec/reconciler-and-lifecycle.md``), seconds:
+    """``on_demand``, seconds:
     an idle on-demand replica is evicted after ``evict_after_idle`` unless
     younger than ``min_lifetime``; a request for an unloaded model waits at
     most ``load_wait`` for it."""
@@ -233,7 +238,7 @@ class OnDemandSettings:
 class BandSettings:
     """One admission band: requests of higher ``priority`` go first; a band
     may fill ``saturation`` (0 to 1) of a model's slots; a request that waited
-    ``queue_ttl`` seconds is answered 504 (``shared/spec/routing.md``)."""
+    ``queue_ttl`` seconds is answered 504."""
 
     name: str
     priority: int
@@ -271,7 +276,7 @@ class AdmissionSettings:
 @attrs.frozen(kw_only=True)
 class CacheSettings:
     """``router.cache``: the exact answer cache's bounds, in bytes, and the
-    projects it is on for (``shared/spec/caching.md``)."""
+    projects it is on for."""
 
     max_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=attrs.validators.ge(0))
     max_entry_bytes: int = attrs.field(default=1024 * 1024, validator=attrs.validators.ge(0))
@@ -282,7 +287,7 @@ class CacheSettings:
 
 @attrs.frozen(kw_only=True)
 class TimeoutSettings:
-    """``router.timeouts``, seconds (our choices, ``routing.md``)."""
+    """``router.timeouts``, seconds, our choices (``docs/api.md``)."""
 
     connect: float = attrs.field(default=5.0, validator=_longer_than_zero)
     first_byte: float = attrs.field(default=600.0, validator=_longer_than_zero)

@@ -2,7 +2,7 @@
 
 ``check`` runs before a request goes to an engine: the models allowlist, the
 budgets and the rate limits of every level on the key's path (key → project →
-team → org; ``shared/spec/tenancy-and-keys.md``: a level only narrows, the
+team → org; a level only narrows, the
 strictest limit wins and every limited level is charged). It either raises a
 :class:`Refused` or returns a :class:`Reservation` holding what it charged:
 one request and the estimated tokens on each limited counter, and the

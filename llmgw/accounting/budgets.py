@@ -1,4 +1,4 @@
-"""Spend counters per scope and period (``shared/spec/accounting.md``, Budgets).
+"""Spend counters per scope and period.
 
 Periods are the UTC **day** and **month**; a counter starts again at 0 at each
 boundary. Amounts are integer micro-units (``_micros``); times are UTC epoch

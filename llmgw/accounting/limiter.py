@@ -1,4 +1,4 @@
-"""Sliding-window rate limiter (``shared/spec/accounting.md``, Rate limiter).
+"""Sliding-window rate limiter.
 
 One :class:`Limiter` counts requests, another tokens. A *counter* names a key
 or a tree scope (``"key:key_abc"``, ``"project:p_1"``). Each counter has a

@@ -1,4 +1,4 @@
-"""Prices and the cost of a request (``shared/spec/accounting.md``, Prices).
+"""Prices and the cost of a request.
 
 Every amount is an integer number of **micro-units** of the budget currency
 (``_micros``). A price per 1,000 tokens in micro-units equals a price per

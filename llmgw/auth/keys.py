@@ -108,7 +108,7 @@ class KeyAuthenticator:
                 if cached is None:
                     raise
                 # The store is slow or down: a key seen before stays what it
-                # was rather than looking unknown (tenancy-and-keys.md).
+                # was rather than looking unknown.
                 return cached.record
             if len(self._cache) >= CACHE_MAX_ENTRIES:
                 self._cache.clear()

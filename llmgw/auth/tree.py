@@ -1,5 +1,5 @@
 """The tenancy tree as the request path sees it: a key's limits along its
-path key → project → team → org (``shared/spec/tenancy-and-keys.md``).
+path key → project → team → org.
 
 :class:`ScopeResolver` turns a key into the :class:`ScopeLimits` the
 accountant checks, caching each key's path for ``cache_ttl_s``; a change made

@@ -1,5 +1,4 @@
-"""The accountant along a key's path (shared/spec/accounting.md and
-tenancy-and-keys.md: a level only narrows, the strictest limit wins, every
+"""The accountant along a key's path (a level only narrows, the strictest limit wins, every
 limited level is charged)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Budget periods and spend counters (shared/spec/accounting.md, Budgets)."""
+"""Budget periods and spend counters."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The sliding-window limiter (shared/spec/accounting.md, Rate limiter)."""
+"""The sliding-window limiter."""
 
 from __future__ import annotations
 

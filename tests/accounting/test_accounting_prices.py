@@ -1,4 +1,4 @@
-"""Prices and the exact cost formula (shared/spec/accounting.md, Cost formula)."""
+"""Prices and the exact cost formula."""
 
 from __future__ import annotations
 

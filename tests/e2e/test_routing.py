@@ -1,7 +1,7 @@
 """Routing through ``llmgw up --engine sim``: the ``chat`` profile between a
 fast and a slow replica, session affinity, a replica killed under load, an
 outside provider with a key at its limit, and fallbacks
-(``shared/spec/routing.md``, ``outside-providers.md``).
+(``docs/api.md``, routing and outside providers).
 
 One ``llmgw up`` serves the module; each test adds its own models through
 the admin API (``POST /api/v1/models``) so no test sees another's routing

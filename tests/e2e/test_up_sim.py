@@ -405,7 +405,7 @@ def test_a_request_in_flight_finishes_after_sigint(start_up: Any) -> None:
 
 
 def test_a_request_for_a_loading_model_waits_for_it_and_is_answered(start_up: Any) -> None:
-    # shared/spec/gateway-api.md: a request for a model that is loading waits
+    # docs/api.md: a request for a model that is loading waits
     # rather than failing.
     up = start_up("--engine", "sim", "--model-name", MODEL, "--engine-arg=--loading-seconds=4")
     up.wait_run(60)

@@ -1,6 +1,6 @@
 """Memory read bandwidth of this machine, all cores and one core.
 
-``shared/spec/agent.md``, "Memory bandwidth": every CPU sums its share of a
+The rule: every CPU sums its share of a
 64-bit-integer buffer at once, 4 passes, the best kept (GB/s = bytes/s/1e9);
 then one core sums 512 MiB, 3 passes, the best, capped at the all-core
 figure. The sums run in numpy (native code, the GIL released), one thread

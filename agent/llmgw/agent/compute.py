@@ -1,6 +1,6 @@
 """What an engine runs on, read from its own start-up log.
 
-``shared/spec/reconciler-and-lifecycle.md`` (Compute check): the compute a
+The compute check: the compute a
 replica runs on is the engine's own report — for llama.cpp its start-up log
 at the moment the shard becomes READY (devices, backend, layers offloaded) —
 sent in ``ShardStatus.compute`` and ``RunningShard.compute``.

@@ -1,6 +1,6 @@
 """What this machine is: CPUs, memory, OS, NVIDIA cards, and how to reach it.
 
-``shared/spec/agent.md`` (Configuration and identity; Discovery, Host):
+The rules for configuration, identity and the host's discovery:
 
 - the node id is the hostname;
 - the node's address is the source address on the route to the control plane

@@ -4,9 +4,9 @@
 ``llmgw up`` run. In ``llmgw up`` the agent owns its engines
 (``owns_engines=True``): they stop with it. A standalone agent leaves them
 running; the next agent process on the same state directory adopts them
-(``shared/spec/agent.md``; ``reconciler-and-lifecycle.md``, Adoption).
+(``docs/architecture.md``, Tasks; ``docs/catalog.md``, adoption).
 
-Telemetry (agent.md, Discovery and Heartbeat): memory bandwidth is measured
+Telemetry: memory bandwidth is measured
 in a worker thread only after the agent reached its control plane, first
 after a random pause (10-120 s by default, so machines that boot together
 do not measure together), then hourly, keeping the best figure; it goes in
@@ -43,11 +43,11 @@ log = logging.getLogger("llmgw.agent")
 AGENT_VERSION: Final = "0.1.0"
 #: Shard status changes waiting for the link.
 STATUS_QUEUE_SIZE: Final = 256
-#: The least time between two GPU readings, in seconds (agent.md: 10 s).
+#: The least time between two GPU readings, in seconds (10 s).
 GPU_READ_INTERVAL_S: Final = 10.0
-#: How long one GPU reading may take, in seconds (agent.md: 5 s).
+#: How long one GPU reading may take, in seconds (5 s).
 GPU_READ_TIMEOUT_S: Final = 5.0
-#: GPU readings older than this are not sent, in seconds (agent.md: a minute).
+#: GPU readings older than this are not sent, in seconds (a minute).
 GPU_READING_MAX_AGE_S: Final = 60.0
 
 

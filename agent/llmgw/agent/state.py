@@ -1,7 +1,7 @@
 """The agent's state directory: what it needs to adopt engines after a restart.
 
-Engines outlive a standalone agent (``shared/spec/agent.md``, "Engines must
-survive agent restarts"; ``reconciler-and-lifecycle.md``, Adoption). What the
+Engines outlive a standalone agent and are adopted by the next one
+(``docs/catalog.md``). What the
 next agent process needs to find them again lives here::
 
     <state_dir>/agent.lock          flock held while an agent uses the directory

@@ -6,7 +6,7 @@ the ``schema_migrations`` table is applied in order, each in its own
 ``BEGIN IMMEDIATE`` transaction together with its ``schema_migrations`` row.
 Before the first pending migration touches a database that already holds
 tables, the database is copied to ``<db>.bak-<NNNN>`` (``NNNN`` = the schema
-version the copy holds), as ``shared/spec/store.md`` asks.
+version the copy holds).
 
 Everything here is blocking; callers run it in a worker thread.
 """

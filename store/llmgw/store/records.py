@@ -2,7 +2,7 @@
 
 Times are UTC seconds since the epoch (``*_at``, floats); durations are in
 milliseconds where the name says ``_ms``. No record ever holds prompt or
-answer text (``shared/spec/store.md``, Data policy).
+answer text.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Limits:
     """What one level of the tree (or one key) allows; ``None`` = not limited here.
 
     A level can only tighten what its parents allow: the caller applies the
-    strictest value along the path (``shared/spec/tenancy-and-keys.md``).
+    strictest value along the path.
     The store only keeps these.
 
     Attributes:
@@ -222,7 +222,7 @@ def _env_dict(value: Mapping[str, str]) -> dict[str, str]:
 
 @attrs.frozen(kw_only=True)
 class Profile:
-    """One way to run a model (``shared/spec/catalog-and-placement.md``, Profile).
+    """One way to run a model (``docs/catalog.md``, profiles).
 
     Attributes:
         name: unique within the model.
@@ -274,7 +274,7 @@ class ExternalKey:
 
 @attrs.frozen(kw_only=True)
 class External:
-    """An outside OpenAI-compatible provider (``shared/spec/outside-providers.md``).
+    """An outside OpenAI-compatible provider (``docs/api.md``, outside providers).
 
     Attributes:
         url: the provider's base URL, without ``/v1``.
@@ -308,7 +308,7 @@ class ModelRecord:
         context_length: the model's trained context in tokens (0 = unknown).
         max_output: the most tokens one answer may ask for; 0 tracks the
             context (:attr:`max_output_tokens`).
-        fallbacks: models to use when this one has no room (routing.md).
+        fallbacks: models to use when this one has no room (``docs/api.md``, routing).
         routing: the scoring profile: ``chat``, ``batch`` or ``long-context``.
         capabilities: e.g. ``("embeddings",)``.
         owner: free text.
@@ -398,7 +398,7 @@ class Lease:
     """A named lease held by ``holder`` until ``expires_at`` (UTC epoch s).
 
     ``epoch`` grows by one each time the lease changes hands; writes made by
-    the holder are fenced by it (``shared/spec/ha-and-leader.md``).
+    the holder are fenced by it.
     """
 
     name: str

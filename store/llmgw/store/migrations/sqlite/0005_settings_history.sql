@@ -1,7 +1,7 @@
 -- 0005: the cluster settings document, versioned. Each change is a new row
 -- holding the whole document (JSON); the row with the highest version is
 -- the live one, and the others are its history and audit (who, why).
--- Control planes poll MAX(version) each second (reconciler-and-lifecycle.md).
+-- Control planes poll MAX(version) each second.
 
 CREATE TABLE settings_history (
     version     INTEGER PRIMARY KEY,

@@ -1,5 +1,4 @@
 -- 0006: usage rows say whether the answer came from the exact answer cache
--- (``shared/spec/caching.md``: the store holds the project setting and the
--- hit flag, never the answer).
+-- (the store holds the project setting and the hit flag, never the answer).
 
 ALTER TABLE usage ADD COLUMN cache_hit INTEGER NOT NULL DEFAULT 0;
