@@ -114,8 +114,8 @@ async def serve_control_plane(
         Once every listener has closed, in-flight requests have finished (or
         the grace ran out) and the usage rows are written.
     """
-    cluster.secret = await store.get_or_create_secret(
-        "engine-keys", lambda: secrets.token_bytes(32)
+    cluster.set_secret(
+        await store.get_or_create_secret("engine-keys", lambda: secrets.token_bytes(32))
     )
     agent_token = (
         await store.get_or_create_secret("agent-token", lambda: secrets.token_hex(32).encode())

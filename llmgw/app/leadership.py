@@ -52,7 +52,7 @@ async def serve_leadership(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Hold the leader lease as ``holder``; while leading, run the reconciler
-    with ``engine_ports``. :attr:`Cluster.is_leader` says which, for the
+    with ``engine_ports``. :meth:`Cluster.set_leader` says which, for the
     ``/ready`` and status answers.
 
     Started once the first attempt to take the lease is over (taken or not).
@@ -76,16 +76,16 @@ async def serve_leadership(
             lease = await store.acquire_lease(LEASE_NAME, holder, LEASE_TTL_S, time.time())
         except StoreError as exc:
             log.warning("cannot reach the store to take the leader lease (%s); retrying", exc)
-            cluster.is_leader = False
+            cluster.set_leader(False)
             ready()
             await trio.sleep(1)
             continue
         if lease is None:
-            cluster.is_leader = False
+            cluster.set_leader(False)
             ready()
             await trio.sleep(LEASE_TTL_S / 3)
             continue
-        cluster.is_leader = True
+        cluster.set_leader(True)
         log.info("leading (lease epoch %d)", lease.epoch)
         async with trio.open_nursery() as leading:
             await leading.start(serve_reconciler, store, cluster, engine_ports)
@@ -104,7 +104,7 @@ async def serve_leadership(
                     renewed = None
                 if renewed is None:
                     log.error("lost the leader lease; stopping leader-only work")
-                    cluster.is_leader = False
+                    cluster.set_leader(False)
                     leading.cancel_scope.cancel()
                     break
                 expires_at = renewed.expires_at
