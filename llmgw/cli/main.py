@@ -155,7 +155,7 @@ def up(
     import trio
 
     from llmgw.agent.weights import WeightsMismatch
-    from llmgw.control.up import UpError, UpOptions, run_up
+    from llmgw.app.up import UpError, UpOptions, run_up
     from llmgw.settings import SettingsError
 
     for name, value in (

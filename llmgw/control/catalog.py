@@ -1,7 +1,6 @@
 """Catalog entries as people write them, and the checks every entry passes.
 
-``shared/spec/catalog-and-placement.md``, "Model entry", "Profile" and
-"Validation". Two steps, both pure:
+``docs/catalog.md``, "A catalog entry". Two steps, both pure:
 
 - :func:`parse_model` turns the YAML/JSON form (``ctl model add -f FILE``,
   the admin API, server.yaml's catalog) into a

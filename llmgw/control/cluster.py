@@ -1,8 +1,11 @@
 """What the control plane knows of its nodes and shards, in memory.
 
-The agent hub writes it (registrations, heartbeats, shard status); the
-reconciler reads it and decides; the router reads the ready endpoints from
-it. Everything here runs on the trio thread, so plain dicts suffice.
+The agent hub reports into it (registrations, heartbeats, shard status); the
+reconciler reads it and records what it decided; the router reads the ready
+endpoints from it. All of them change it through :class:`Cluster`'s
+methods only, never by setting a field of it, of a :class:`NodeInfo` or of a
+:class:`ShardInfo`. Everything here runs on the trio thread, so plain dicts
+suffice.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import hmac
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -288,12 +291,11 @@ _ZERO_OFFLOAD: Final = re.compile(r"\boffloaded 0/\d+ layers|\b0 layers offloade
 def compute_lacks_gpu(compute: str) -> bool:
     """Whether the engine's own compute report says it runs without a GPU.
 
-    The rule (``shared/spec/reconciler-and-lifecycle.md``, Compute check):
-    lowercased, the text says "no gpu" / "no usable gpu", or reports zero
-    layers offloaded ("offloaded 0/N layers", "0 layers offloaded"), or
-    mentions "cpu" and none of cuda, gpu, rocm, hip, vulkan, metal, sycl,
-    nvidia. So "CPU" is without GPU, "CUDA0 NVIDIA H100 (+CPU)" is not; an
-    empty report says nothing.
+    The rule: lowercased, the text says "no gpu" / "no usable gpu", or
+    reports zero layers offloaded ("offloaded 0/N layers", "0 layers
+    offloaded"), or mentions "cpu" and none of cuda, gpu, rocm, hip, vulkan,
+    metal, sycl, nvidia. So "CPU" is without GPU, "CUDA0 NVIDIA H100
+    (+CPU)" is not; an empty report says nothing.
     """
     text = compute.lower()
     if not text.strip():
@@ -306,6 +308,14 @@ def compute_lacks_gpu(compute: str) -> bool:
 class Cluster:
     """The live view of nodes, shards and ready endpoints.
 
+    Everything below is read through properties and changed only through
+    the methods: the hub reports (:meth:`node_registered`, :meth:`heartbeat`,
+    :meth:`shard_status`, …), the reconciler decides (:meth:`add_shard`,
+    :meth:`mark_starting`, :meth:`retire`, …), the composition root and the
+    live settings set the rest (:meth:`set_leader`, :meth:`set_secret`,
+    :meth:`apply_settings`). The mappings handed out are the cluster's own:
+    read them, never change them.
+
     Args:
         clock: seconds now, for every time the cluster and the reconciler
             keep (default wall-clock ``time.time``; tests pass
@@ -314,10 +324,16 @@ class Cluster:
     Attributes:
         nodes, shards: by node id and shard id.
         endpoints: the READY, not retiring replicas per model (the router's view).
-        models: the catalog as the reconciler last read it, by model name.
-        catalog_loaded: the catalog was read at least once; the reconciler
-            neither starts nor stops anything before.
+        models: the catalog as last read or edited, by model name; replaced
+            whole, never changed in place (readers such as the gateway's
+            alias map cache by its identity).
+        catalog_loaded: the catalog was read whole at least once
+            (:meth:`load_catalog`); the reconciler neither starts nor stops
+            anything before.
+        secret: the cluster secret engine keys derive from (:func:`engine_key`).
         settings: the live settings, replaced whole by the settings loop.
+        changed: set (and replaced) on every change worth waking for (:meth:`poke`).
+        is_leader: this control plane holds the leader lease.
         gpu_plans: the per-card GPU need in MiB of ``(model, profile)``,
             written by the model planner; placement takes cards whole
             without one.
@@ -331,25 +347,24 @@ class Cluster:
             read it.
         orphans: ``(node_id, shard_id)`` of engines to stop that the
             cluster keeps no record for (duplicates found at adoption); the
-            reconciler sends their ``StopShard``.
+            reconciler takes them (:meth:`take_orphans`) and sends their
+            ``StopShard``.
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
-        self.nodes: dict[str, NodeInfo] = {}
-        self.shards: dict[str, ShardInfo] = {}
-        self.endpoints: dict[str, list[Endpoint]] = {}
-        #: The catalog by model name: replaced whole, never changed in place
-        #: (readers such as the gateway's alias map cache by its identity).
-        self.models: dict[str, ModelRecord] = {}
-        self.catalog_loaded = False
-        self.secret: bytes = b""
-        self.settings = ServerSettings()
-        self.changed = trio.Event()
-        self.is_leader = False
-        self.gpu_plans: dict[tuple[str, str], float] = {}
-        self.drain_started: dict[str, float] = {}
-        self.orphans: list[tuple[str, str]] = []
-        self.waiting: dict[str, str] = {}
+        self._nodes: dict[str, NodeInfo] = {}
+        self._shards: dict[str, ShardInfo] = {}
+        self._endpoints: dict[str, list[Endpoint]] = {}
+        self._models: dict[str, ModelRecord] = {}
+        self._catalog_loaded = False
+        self._secret = b""
+        self._settings = ServerSettings()
+        self._changed = trio.Event()
+        self._is_leader = False
+        self._gpu_plans: dict[tuple[str, str], float] = {}
+        self._drain_started: dict[str, float] = {}
+        self._orphans: list[tuple[str, str]] = []
+        self._waiting: dict[str, str] = {}
         self._clock = clock
         self._pending: dict[str, trio.MemorySendChannel[protocol.Message]] = {}
         #: Every READY shard's endpoint, retiring ones included (their
@@ -357,6 +372,80 @@ class Cluster:
         self._endpoint_of: dict[str, Endpoint] = {}
         self._last_used: dict[str, float] = {}
         self._waiters: collections.Counter[str] = collections.Counter()
+
+    # --- the state, read only -------------------------------------------------------
+
+    @property
+    def nodes(self) -> dict[str, NodeInfo]:
+        # Typed ``dict`` only while tests outside the control plane's own
+        # (tests/admin, tests/cli) add nodes by item; read it, never change it.
+        return self._nodes
+
+    @property
+    def shards(self) -> Mapping[str, ShardInfo]:
+        return self._shards
+
+    @property
+    def endpoints(self) -> Mapping[str, list[Endpoint]]:
+        return self._endpoints
+
+    @property
+    def models(self) -> dict[str, ModelRecord]:
+        # Typed ``dict`` only while a test outside the control plane's own
+        # (tests/admin) sets a model by item; read it, never change it.
+        return self._models
+
+    @models.setter
+    def models(self, models: Mapping[str, ModelRecord]) -> None:
+        # Only while llmgw/admin still assigns the catalog; it goes once the
+        # admin API calls replace_catalog.
+        self.replace_catalog(models)
+
+    @property
+    def catalog_loaded(self) -> bool:
+        return self._catalog_loaded
+
+    @property
+    def secret(self) -> bytes:
+        return self._secret
+
+    @secret.setter
+    def secret(self, secret: bytes) -> None:
+        # Only while tests/admin still assigns it; it goes once they call set_secret.
+        self.set_secret(secret)
+
+    @property
+    def settings(self) -> ServerSettings:
+        return self._settings
+
+    @property
+    def changed(self) -> trio.Event:
+        return self._changed
+
+    @property
+    def is_leader(self) -> bool:
+        return self._is_leader
+
+    @property
+    def gpu_plans(self) -> Mapping[tuple[str, str], float]:
+        return self._gpu_plans
+
+    @property
+    def drain_started(self) -> Mapping[str, float]:
+        return self._drain_started
+
+    @property
+    def orphans(self) -> Sequence[tuple[str, str]]:
+        return self._orphans
+
+    @property
+    def waiting(self) -> Mapping[str, str]:
+        return self._waiting
+
+    @waiting.setter
+    def waiting(self, waiting: Mapping[str, str]) -> None:
+        # Only while tests/admin still assigns it; it goes once they call set_waiting.
+        self.set_waiting(waiting)
 
     def now(self) -> float:
         """Seconds now on the cluster's clock."""
@@ -366,8 +455,46 @@ class Cluster:
 
     def poke(self) -> None:
         """Wake whoever waits on :attr:`changed` (the reconciler, ``/ready``)."""
-        self.changed.set()
-        self.changed = trio.Event()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # --- set by the composition root, the settings loop, the admin API -------------
+
+    def set_leader(self, leading: bool) -> None:
+        """Whether this control plane holds the leader lease now."""
+        self._is_leader = leading
+
+    def set_secret(self, secret: bytes) -> None:
+        """The cluster secret engine keys derive from; set once at start,
+        before any endpoint exists."""
+        self._secret = secret
+
+    def apply_settings(self, settings: ServerSettings) -> None:
+        """Replace the live settings whole (the caller pokes when it matters)."""
+        self._settings = settings
+
+    def load_catalog(self, models: Mapping[str, ModelRecord]) -> None:
+        """The catalog as read whole from the store, by model name: it
+        replaces the one held and counts as loaded (:attr:`catalog_loaded`)."""
+        self.replace_catalog(models)
+        self._catalog_loaded = True
+
+    def replace_catalog(self, models: Mapping[str, ModelRecord]) -> None:
+        """Replace the catalog whole with ``models`` (by model name), e.g.
+        after an edit through the admin API, so it is answered at once. A
+        new dict each time: readers notice the change by its identity.
+        Whether it counts as loaded is left as it was."""
+        self._models = dict(models)
+
+    def set_gpu_plan(self, model: str, profile: str, need_mb: float) -> None:
+        """The per-card GPU need of ``(model, profile)``, in MiB."""
+        self._gpu_plans[(model, profile)] = need_mb
+
+    def set_fixed_endpoints(self, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
+        """Serve ``endpoints`` (by model) with no shard behind them, for a
+        cluster without agents (the gateway benchmark); the next change of
+        a shard rebuilds the endpoints from the READY shards again."""
+        self._endpoints = {model: list(eps) for model, eps in endpoints.items()}
 
     # --- demand, from the gateway ------------------------------------------------
 
@@ -380,7 +507,7 @@ class Cluster:
         if model in self._last_used and when <= self._last_used[model]:
             return
         self._last_used[model] = when
-        for shard in self.shards.values():
+        for shard in self._shards.values():
             if shard.model == model:
                 shard.last_used_at = max(shard.last_used_at, when)
 
@@ -404,7 +531,7 @@ class Cluster:
         used = self._last_used.get(model)
         if used is None:
             return False
-        return self.now() - used < self.settings.on_demand.evict_after_idle
+        return self.now() - used < self._settings.on_demand.evict_after_idle
 
     async def wait_ready(self, model: str) -> None:
         """Demand ``model`` (:meth:`demand`) and wait until it has a READY
@@ -415,13 +542,13 @@ class Cluster:
         Raises:
             LookupError: ``model`` is not in the catalog.
         """
-        if model not in self.models:
+        if model not in self._models:
             raise LookupError(f"no model {model!r} in the catalog")
         self._waiters[model] += 1
         try:
             self.demand(model)
             while not self.ready_endpoints(model):
-                await self.changed.wait()
+                await self._changed.wait()
         finally:
             self._waiters[model] -= 1
             if self._waiters[model] <= 0:
@@ -446,7 +573,7 @@ class Cluster:
         to be here that the agent no longer runs are STOPPED.
         """
         now = self.now()
-        previous = self.nodes.get(register.node_id)
+        previous = self._nodes.get(register.node_id)
         node = NodeInfo(
             node_id=register.node_id,
             address=register.address,
@@ -464,9 +591,9 @@ class Cluster:
             core_bandwidth_gbps=register.hardware.core_bandwidth_gbps
             or (previous.core_bandwidth_gbps if previous is not None else 0.0),
         )
-        self.nodes[register.node_id] = node
+        self._nodes[register.node_id] = node
         for running in register.running_shards:
-            shard = self.shards.get(running.shard_id)
+            shard = self._shards.get(running.shard_id)
             if shard is not None and shard.node_id == register.node_id:
                 if running.compute:
                     shard.compute = running.compute
@@ -483,7 +610,7 @@ class Cluster:
                         running.shard_id,
                         shard.node_id,
                     )
-                    self.orphans.append((register.node_id, running.shard_id))
+                    self._orphans.append((register.node_id, running.shard_id))
                     continue
                 log.warning(
                     "node %s runs %s, placed again on %s meanwhile: keeping the running one",
@@ -491,10 +618,10 @@ class Cluster:
                     running.shard_id,
                     shard.node_id,
                 )
-                self.orphans.append((shard.node_id, shard.shard_id))
-                del self.shards[shard.shard_id]
+                self._orphans.append((shard.node_id, shard.shard_id))
+                del self._shards[shard.shard_id]
             adopted = self._adopt(running, register.node_id, now)
-            self.shards[adopted.shard_id] = adopted
+            self._shards[adopted.shard_id] = adopted
             log.info(
                 "adopted %s on %s (port %d, %s%s)",
                 adopted.replica_id,
@@ -504,11 +631,11 @@ class Cluster:
                 ", stale" if adopted.stale else "",
             )
         running_ids = {r.shard_id for r in register.running_shards}
-        for shard in list(self.shards.values()):
+        for shard in list(self._shards.values()):
             if shard.node_id != register.node_id or shard.shard_id in running_ids:
                 continue
             if shard.retiring:
-                del self.shards[shard.shard_id]  # it was going anyway, and is gone
+                del self._shards[shard.shard_id]  # it was going anyway, and is gone
             elif shard.state in (ShardState.STARTING, ShardState.READY):
                 self._set_state(shard, ShardState.STOPPED, "not running after agent reconnect", ())
         self._rebuild_endpoints()
@@ -534,14 +661,13 @@ class Cluster:
             last_used_at=self._last_used.get(running.model, 0.0),
             adopted=True,
         )
-        model = self.models.get(running.model)
+        model = self._models.get(running.model)
         if model is not None and running.fingerprint:
             for profile in model.profiles:
                 if replica_fingerprint(model, profile) == running.fingerprint:
-                    shard.profile = profile.name
-                    shard.memory_gb = profile.min_memory_gb
-                    shard.cpu_cores = profile.cpu_cores
-                    shard.gpu_memory_mb = self.gpu_plans.get((model.name, profile.name), 0.0)
+                    self.assign_profile(
+                        shard, profile, self._gpu_plans.get((model.name, profile.name), 0.0)
+                    )
                     break
             else:
                 shard.stale = True
@@ -549,7 +675,7 @@ class Cluster:
 
     def node_disconnected(self, node_id: str) -> None:
         """The node's link closed; its shards stay until it counts lost."""
-        node = self.nodes.get(node_id)
+        node = self._nodes.get(node_id)
         if node is not None:
             node.connected = False
             node.send = None
@@ -559,7 +685,7 @@ class Cluster:
     def heartbeat(self, beat: protocol.Heartbeat) -> None:
         """Fold a heartbeat in: memory, load, measured bandwidth, and the
         cards' foreign use (kept as before when the beat carries none)."""
-        node = self.nodes.get(beat.node_id)
+        node = self._nodes.get(beat.node_id)
         if node is not None:
             node.last_seen = self.now()
             node.memory_available_mb = beat.memory_available_mb
@@ -585,7 +711,7 @@ class Cluster:
         and stopped by the reconciler. STARTING with ``progress`` moves the
         start deadline.
         """
-        shard = self.shards.get(status.shard_id)
+        shard = self._shards.get(status.shard_id)
         if shard is None:
             log.info("status for unknown shard %s ignored", status.shard_id)
             return
@@ -653,10 +779,10 @@ class Cluster:
         old = self._endpoint_of
         kept: dict[str, Endpoint] = {}
         endpoints: dict[str, list[Endpoint]] = {}
-        for shard in self.shards.values():
+        for shard in self._shards.values():
             if shard.state is not ShardState.READY:
                 continue
-            node = self.nodes.get(shard.node_id)
+            node = self._nodes.get(shard.node_id)
             if node is None:
                 continue
             ep = old.get(shard.replica_id)
@@ -666,21 +792,21 @@ class Cluster:
                     model=shard.model,
                     host=node.address,
                     port=shard.port,
-                    api_key=engine_key(self.secret, shard.replica_id),
+                    api_key=engine_key(self._secret, shard.replica_id),
                 )
             kept[shard.replica_id] = ep
             if not shard.retiring:
                 endpoints.setdefault(shard.model, []).append(ep)
         self._endpoint_of = kept
-        self.endpoints = endpoints
+        self._endpoints = endpoints
 
     # --- queries ---------------------------------------------------------------
 
     def ready_endpoints(self, model: str) -> list[Endpoint]:
-        return self.endpoints.get(model, [])
+        return self._endpoints.get(model, [])
 
     def any_ready(self) -> bool:
-        return any(self.endpoints.values())
+        return any(self._endpoints.values())
 
     def in_flight(self, replica_id: str) -> int:
         """Requests in flight on a READY replica (retiring ones included), 0
@@ -691,11 +817,12 @@ class Cluster:
     def add_shard(self, shard: ShardInfo) -> None:
         """Record a shard (its ``last_used_at`` is at least its model's latest use)."""
         shard.last_used_at = max(shard.last_used_at, self._last_used.get(shard.model, 0.0))
-        self.shards[shard.shard_id] = shard
+        self._shards[shard.shard_id] = shard
         self._rebuild_endpoints()
 
     def remove_shard(self, shard_id: str) -> None:
-        self.shards.pop(shard_id, None)
+        """Forget a shard (stopped, or its node lost); its port and room are free."""
+        self._shards.pop(shard_id, None)
         self._rebuild_endpoints()
 
     def retire(self, shard: ShardInfo, reason: str) -> None:
@@ -710,6 +837,90 @@ class Cluster:
         log.info("retiring %s on %s: %s", shard.replica_id, shard.node_id, reason)
         self._rebuild_endpoints()
 
+    # --- decided by the reconciler --------------------------------------------------
+
+    def check_fingerprint(self, shard: ShardInfo, fingerprint: str) -> None:
+        """Compare ``shard`` with its slot's current ``fingerprint``: it is
+        :attr:`~ShardInfo.stale` when it has a fingerprint and that differs."""
+        shard.stale = bool(shard.fingerprint) and shard.fingerprint != fingerprint
+
+    def assign_profile(self, shard: ShardInfo, profile: Profile, gpu_memory_mb: float) -> None:
+        """``shard`` runs as ``profile`` and reserves what it asks: its host
+        memory and cores, and ``gpu_memory_mb`` MiB on each card."""
+        shard.profile = profile.name
+        shard.memory_gb = profile.min_memory_gb
+        shard.cpu_cores = profile.cpu_cores
+        shard.gpu_memory_mb = gpu_memory_mb
+
+    def mark_starting(self, shard: ShardInfo) -> None:
+        """A ``StartShard`` goes out for ``shard``: STARTING from now (the
+        start deadline counts from here), no restart scheduled, no longer
+        READY."""
+        now = self.now()
+        was_ready = shard.state is ShardState.READY
+        shard.state = ShardState.STARTING
+        shard.restart_at = 0.0
+        shard.started_at = now
+        shard.progress_at = now
+        shard.progress = ""
+        shard.ready_at = None
+        if was_ready:
+            self._rebuild_endpoints()
+
+    def count_failure(self, shard: ShardInfo, *, afresh: bool) -> None:
+        """One more consecutive failure of ``shard``; ``afresh``: it had run
+        well, so the count (and with it the back-off) starts over at 1."""
+        if afresh:
+            shard.failures = 0
+        shard.failures += 1
+
+    def schedule_restart(self, shard: ShardInfo, at: float) -> None:
+        """Restart the FAILED ``shard`` at ``at`` (the cluster's clock)."""
+        shard.restart_at = at
+
+    def count_restart(self, shard: ShardInfo) -> None:
+        """A restart of ``shard`` after a failure or a stop was sent."""
+        shard.restarts += 1
+
+    def mark_port_busy(self, node_id: str, port: int) -> None:
+        """``port`` on ``node_id`` is taken by another process: never offered again."""
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.busy_ports.add(port)
+
+    def move_port(self, shard: ShardInfo, port: int) -> None:
+        """``shard`` is started on ``port`` from now on."""
+        shard.port = port
+        if shard.state is ShardState.READY:
+            self._rebuild_endpoints()
+
+    def mark_stop_sent(self, shard: ShardInfo) -> None:
+        """The ``StopShard`` owed for a shard failed here went out."""
+        shard.stop_pending = False
+
+    def mark_stopping(self, shard: ShardInfo, at: float) -> None:
+        """The retiring ``shard``'s ``StopShard`` went out at ``at``; it keeps
+        its port and room until the agent confirms the stop."""
+        shard.stop_sent_at = at
+        shard.stop_pending = False
+
+    def set_waiting(self, waiting: Mapping[str, str]) -> None:
+        """Replace :attr:`waiting` whole (replica id → why it cannot start yet)."""
+        self._waiting = dict(waiting)
+
+    def take_orphans(self) -> list[tuple[str, str]]:
+        """The ``(node_id, shard_id)`` engines to stop, handed over once."""
+        orphans, self._orphans = self._orphans, []
+        return orphans
+
+    def drain_began(self, node_id: str, at: float) -> None:
+        """``node_id`` was first seen draining at ``at`` (the drain grace counts from it)."""
+        self._drain_started[node_id] = at
+
+    def drain_ended(self, node_id: str) -> None:
+        """``node_id`` is no longer draining."""
+        del self._drain_started[node_id]
+
     # --- request/reply over the link --------------------------------------------
 
     async def ask(
@@ -722,7 +933,7 @@ class Cluster:
         Raises:
             LookupError: the node is not connected.
         """
-        node = self.nodes.get(node_id)
+        node = self._nodes.get(node_id)
         if node is None or node.send is None:
             raise LookupError(f"node {node_id!r} is not connected")
         send, receive = trio.open_memory_channel[protocol.Message](1)

@@ -1,6 +1,5 @@
 """Live cluster settings: the settings document in the store, applied by
-every control plane within about a second
-(``shared/spec/reconciler-and-lifecycle.md``, Cluster settings in the store).
+every control plane within about a second.
 
 The document is the whole :class:`~llmgw.settings.ServerSettings`
 unstructured to plain JSON types (durations as seconds), kept by the store
@@ -11,8 +10,9 @@ with a version counter and its history (``settings_history``):
   document is never overwritten by a file;
 - every control plane (leader or not) runs :func:`serve_settings`, which
   polls :meth:`~llmgw.store.Store.settings_version` every
-  :data:`POLL_S` and, when it moved, loads the document into
-  ``cluster.settings`` and pokes the cluster so the reconciler acts at once;
+  :data:`POLL_S` and, when it moved, applies the document to the cluster
+  (:meth:`Cluster.apply_settings`) and pokes it so the reconciler acts at
+  once;
 - a stored document that no longer validates (written by a newer llmgw, or
   by hand) is logged and the last good settings are kept;
 - writers (the admin API) go through :meth:`LiveSettings.update`: read,
@@ -116,7 +116,7 @@ class LiveSettings:
         previous = self._cluster.settings
         self.version = version
         self.doc = settings_to_doc(settings)
-        self._cluster.settings = settings
+        self._cluster.apply_settings(settings)
         if settings != previous:
             log.info("settings version %d applied", version)
             self._cluster.poke()
@@ -242,7 +242,7 @@ async def serve_settings(
     if live is None:
         live = LiveSettings(store, cluster)
     if live.version == 0:
-        cluster.settings = seed
+        cluster.apply_settings(seed)
         live.doc = settings_to_doc(seed)
     failing = False
     started = False

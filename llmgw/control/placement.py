@@ -2,7 +2,7 @@
 
 Pure functions over what the nodes reported (``Cluster.nodes``) and what the
 replicas already placed hold (``Cluster.shards``); nothing here sends
-anything or awaits (``shared/spec/catalog-and-placement.md``, Placement).
+anything or awaits (``docs/catalog.md``, Placement).
 
 **Constraints**, checked per node in this order; the first that fails is the
 node's reason, quoting figures:

@@ -1,6 +1,6 @@
 """The reconciler: wanted (the catalog, scaling, demand, drains, settings)
-against actual (the agents' reports). Leader only
-(``shared/spec/reconciler-and-lifecycle.md``).
+against actual (the agents' reports). Leader only (``docs/catalog.md``,
+What the reconciler does).
 
 Each tick (:data:`TICK_S`, and at once when :attr:`Cluster.changed` fires) it
 works out, per model, how many replicas are wanted and which **slot** each
@@ -173,8 +173,7 @@ async def serve_reconciler(
         except StoreError as exc:
             log.warning("cannot read the catalog (%s); keeping the last one", exc)
         else:
-            cluster.models = models
-            cluster.catalog_loaded = True
+            cluster.load_catalog(models)
         if cluster.catalog_loaded:
             await reconcile_once(cluster.models, cluster, port_range)
         with trio.move_on_after(_next_wake_s(cluster)):
@@ -200,7 +199,7 @@ async def reconcile_once(
     for key, reason in waiting.items():
         if cluster.waiting.get(key) != reason:
             log.warning("%s waits: %s", key, reason)
-    cluster.waiting = waiting
+    cluster.set_waiting(waiting)
     await _send_stops(cluster, now)
 
 
@@ -221,12 +220,9 @@ async def _reconcile_model(
     for shard in shards:
         if 0 <= shard.slot < len(profiles):
             profile = profiles[shard.slot]
-            shard.stale = bool(shard.fingerprint) and shard.fingerprint != fingerprints[shard.slot]
+            cluster.check_fingerprint(shard, fingerprints[shard.slot])
             if not shard.profile:
-                shard.profile = profile.name
-                shard.memory_gb = profile.min_memory_gb
-                shard.cpu_cores = profile.cpu_cores
-                shard.gpu_memory_mb = gpu_need_mb(model, profile, cluster)
+                cluster.assign_profile(shard, profile, gpu_need_mb(model, profile, cluster))
     # Beyond what is wanted: highest slot first.
     extras = [s for s in shards if not 0 <= s.slot < wanted]
     extras.sort(key=lambda s: (s.slot, s.generation), reverse=True)
@@ -399,7 +395,7 @@ async def _tend(
 ) -> None:
     """Keep a wanted shard going: stops owed, start deadline, back-off restarts."""
     if shard.stop_pending:
-        shard.stop_pending = False
+        cluster.mark_stop_sent(shard)
         await _send_stop(cluster, shard.node_id, shard.shard_id)
     if shard.state is ShardState.STARTING:
         timeout_s = profile.startup_timeout_s if profile is not None else DEFAULT_STARTUP_TIMEOUT_S
@@ -410,19 +406,19 @@ async def _tend(
                 shard.replica_id,
                 timeout_s,
             )
-            shard.stop_pending = False
+            cluster.mark_stop_sent(shard)
             await _send_stop(cluster, shard.node_id, shard.shard_id)
     if profile is None:
         return
     if shard.state is ShardState.FAILED:
         if shard.restart_at == 0.0:
-            if shard.ready_at is not None and now - shard.ready_at >= STABLE_AFTER_S:
-                shard.failures = 0  # it had run well: a fresh start of the back-off
-            shard.failures += 1
+            # A replica that had run well starts its back-off afresh.
+            stable = shard.ready_at is not None and now - shard.ready_at >= STABLE_AFTER_S
+            cluster.count_failure(shard, afresh=stable)
             if "in use" in shard.reason:
                 _move_off_busy_port(shard, cluster, port_range)
             delay_s = restart_delay_s(shard.failures)
-            shard.restart_at = now + delay_s
+            cluster.schedule_restart(shard, now + delay_s)
             log.warning(
                 "replica %s failed (%s); restarting in %.0f s",
                 shard.replica_id,
@@ -430,19 +426,17 @@ async def _tend(
                 delay_s,
             )
         elif now >= shard.restart_at and await _start(cluster, shard, model, profile):
-            shard.restarts += 1
+            cluster.count_restart(shard)
     elif shard.state is ShardState.STOPPED and await _start(cluster, shard, model, profile):
-        shard.restarts += 1
+        cluster.count_restart(shard)
 
 
 def _move_off_busy_port(shard: ShardInfo, cluster: Cluster, port_range: PortRange) -> None:
     busy = shard.port
-    node = cluster.nodes.get(shard.node_id)
-    if node is not None:
-        node.busy_ports.add(busy)
+    cluster.mark_port_busy(shard.node_id, busy)
     port = _free_port(cluster, shard.node_id, port_range, avoid=frozenset({busy}))
     if port is not None:
-        shard.port = port
+        cluster.move_port(shard, port)
         log.warning(
             "port %d on %s is taken by another process; %s moves to %d",
             busy,
@@ -548,13 +542,7 @@ async def _start(cluster: Cluster, shard: ShardInfo, model: ModelRecord, profile
     node = cluster.nodes.get(shard.node_id)
     if node is None or node.send is None:
         return False
-    now = cluster.now()
-    shard.state = ShardState.STARTING
-    shard.restart_at = 0.0
-    shard.started_at = now
-    shard.progress_at = now
-    shard.progress = ""
-    shard.ready_at = None
+    cluster.mark_starting(shard)
     message = protocol.StartShard(
         correlation_id=uuid.uuid4().hex,
         shard_id=shard.shard_id,
@@ -581,15 +569,14 @@ def _track_drains(cluster: Cluster, now: float) -> None:
     draining = set(cluster.settings.nodes.draining)
     for node_id in draining:
         if node_id not in cluster.drain_started:
-            cluster.drain_started[node_id] = now
+            cluster.drain_began(node_id, now)
             log.info("node %s is draining", node_id)
     for node_id in set(cluster.drain_started) - draining:
-        del cluster.drain_started[node_id]
+        cluster.drain_ended(node_id)
 
 
 async def _stop_orphans(cluster: Cluster) -> None:
-    orphans, cluster.orphans = cluster.orphans, []
-    for node_id, shard_id in orphans:
+    for node_id, shard_id in cluster.take_orphans():
         await _send_stop(cluster, node_id, shard_id)
 
 
@@ -638,8 +625,7 @@ async def _send_stops(cluster: Cluster, now: float) -> None:
         node = cluster.nodes.get(shard.node_id)
         if node is None or node.send is None:
             continue  # sent when the node is back, or forgotten once it is lost
-        shard.stop_sent_at = now
-        shard.stop_pending = False
+        cluster.mark_stopping(shard, now)
         log.info("stopping %s on %s: %s", shard.replica_id, shard.node_id, shard.retire_reason)
         await _send_stop(cluster, shard.node_id, shard.shard_id)
 

@@ -22,13 +22,13 @@ from llmgw.admin.app import make_admin_app
 from llmgw.admin.keys import KeysService
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
+from llmgw.app.listen import serve_asgi
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver
 from llmgw.cli.ctl import entry_from_flags, format_table, lookup_key
 from llmgw.cli.main import cli
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo
 from llmgw.control.live import LiveSettings
-from llmgw.control.server import serve_asgi
 from llmgw.settings import AuthSettings, ServerSettings
 from llmgw.store import Store, open_sqlite_store
 

@@ -119,7 +119,7 @@ def test_unknown_running_shards_are_adopted_without_a_restart() -> None:
         profiles=(Profile(engine="vllm", gpu_class="h100-80g", min_memory_gb=8.0, cpu_cores=2),),
     )
     cluster = Cluster()
-    cluster.models = {model.name: model}
+    cluster.replace_catalog({model.name: model})
     current = replica_fingerprint(model, model.profiles[0])
     send = _register(
         cluster,
@@ -176,8 +176,8 @@ def test_a_shard_id_running_on_two_nodes_keeps_the_ready_one() -> None:
     cluster.shard_status(_status("m-0", ShardState.STOPPED), "b")
     assert cluster.shards["m-0"].state is ShardState.READY
     # The other way round: a's copy is still starting, b's runs.
-    cluster.orphans.clear()
-    cluster.shards["m-0"].state = ShardState.STARTING
+    cluster.take_orphans()
+    cluster.shard_status(_status("m-0", ShardState.STARTING), "a")
     _register(cluster, "b", _running("m-0", model="m"))
     assert cluster.shards["m-0"].node_id == "b"
     assert cluster.orphans == [("a", "m-0")]
@@ -246,7 +246,7 @@ def test_heartbeats_keep_the_cards_current() -> None:
 def test_registration_keeps_engines_labels_and_busy_ports() -> None:
     cluster = Cluster()
     _register(cluster, "a", engines=("llamacpp",), labels={"llmgw.role": "judge"})
-    cluster.nodes["a"].busy_ports.add(20000)
+    cluster.mark_port_busy("a", 20000)
     cluster.node_disconnected("a")
     assert cluster.nodes["a"].disconnected_at is not None
     _register(cluster, "a", engines=("llamacpp",), labels={"llmgw.role": "judge"})
@@ -263,8 +263,8 @@ async def test_demand_lasts_evict_after_idle_and_while_someone_waits(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     cluster = Cluster(clock=trio.current_time)
-    cluster.settings = ServerSettings(on_demand=OnDemandSettings(evict_after_idle=60))
-    cluster.models = {"m": ModelRecord.simple("m", "sim", on_demand=True)}
+    cluster.apply_settings(ServerSettings(on_demand=OnDemandSettings(evict_after_idle=60)))
+    cluster.replace_catalog({"m": ModelRecord.simple("m", "sim", on_demand=True)})
     _register(cluster, "a")
     assert not cluster.is_demanded("m")
     cluster.touch("m")
@@ -324,3 +324,74 @@ def test_the_bandwidth_measured_after_registering_arrives_in_heartbeats_and_is_k
     assert (node.memory_bandwidth_gbps, node.core_bandwidth_gbps) == (31.5, 20.0)
     cluster.heartbeat(beat(0.0, 0.0))  # a beat without figures keeps the last ones
     assert (node.memory_bandwidth_gbps, node.core_bandwidth_gbps) == (31.5, 20.0)
+
+
+def test_the_catalog_is_replaced_whole_and_counts_loaded_only_when_read() -> None:
+    cluster = Cluster()
+    first = {"m": ModelRecord.simple("m", "sim")}
+    cluster.replace_catalog(first)
+    held = cluster.models
+    assert held == first
+    assert held is not first  # a copy: the caller's dict stays its own
+    assert not cluster.catalog_loaded  # an edit is not a read of the whole catalog
+    cluster.load_catalog({**held, "n": ModelRecord.simple("n", "sim")})
+    assert cluster.catalog_loaded
+    assert sorted(cluster.models) == ["m", "n"]
+    assert cluster.models is not held  # readers see the change by its identity
+
+
+def test_a_start_takes_a_replica_out_of_the_endpoints_until_it_is_ready_again() -> None:
+    clock = iter(range(100, 200))
+    cluster = Cluster(clock=lambda: float(next(clock)))
+    _register(cluster, "a")
+    cluster.add_shard(_shard("m-0"))
+    cluster.shard_status(_status("m-0", ShardState.STARTING, progress="loading"), "a")
+    cluster.shard_status(_status("m-0", ShardState.READY), "a")
+    shard = cluster.shards["m-0"]
+    cluster.schedule_restart(shard, 500.0)
+    assert [e.replica_id for e in cluster.ready_endpoints("m")] == ["m-0"]
+    cluster.mark_starting(shard)
+    assert cluster.ready_endpoints("m") == []
+    assert (shard.state, shard.restart_at, shard.progress, shard.ready_at) == (
+        ShardState.STARTING,
+        0.0,
+        "",
+        None,
+    )
+    assert shard.started_at == shard.progress_at
+
+
+def test_failures_count_up_and_start_over_after_a_stable_run() -> None:
+    cluster = Cluster()
+    cluster.add_shard(_shard("m-0"))
+    shard = cluster.shards["m-0"]
+    cluster.count_failure(shard, afresh=False)
+    cluster.count_failure(shard, afresh=False)
+    assert shard.failures == 2
+    cluster.count_failure(shard, afresh=True)
+    assert shard.failures == 1
+
+
+def test_orphans_are_handed_over_once_and_drains_are_tracked_by_node() -> None:
+    cluster = Cluster()
+    _register(cluster, "a")
+    cluster.add_shard(_shard("m-0", "a", state=ShardState.READY))
+    _register(cluster, "b", _running("m-0", model="m"))
+    assert cluster.take_orphans() == [("b", "m-0")]
+    assert cluster.take_orphans() == []
+    assert cluster.orphans == []
+    cluster.drain_began("a", 10.0)
+    assert cluster.drain_started == {"a": 10.0}
+    cluster.drain_ended("a")
+    assert cluster.drain_started == {}
+
+
+def test_a_busy_port_is_remembered_on_its_node_and_the_replica_moves() -> None:
+    cluster = Cluster()
+    _register(cluster, "a")
+    cluster.add_shard(_shard("m-0", "a"))
+    cluster.mark_port_busy("a", 20000)
+    cluster.mark_port_busy("gone", 20000)  # a node not known: nothing to remember
+    cluster.move_port(cluster.shards["m-0"], 20001)
+    assert cluster.nodes["a"].busy_ports == {20000}
+    assert cluster.shards["m-0"].port == 20001

@@ -46,21 +46,20 @@ def _node(
     engines: tuple[str, ...] = ("llamacpp",),
     labels: dict[str, str] | None = None,
 ) -> NodeInfo:
-    cards = tuple(gpus)
-    node = NodeInfo(
-        node_id=node_id,
-        address="10.0.0.1",
-        hardware=protocol.Hardware(
-            cpu_count=cpus, memory_total_mb=round(memory_gb * MIB_PER_GB), gpus=cards
+    cluster.node_registered(
+        protocol.Register(
+            node_id=node_id,
+            address="10.0.0.1",
+            hardware=protocol.Hardware(
+                cpu_count=cpus, memory_total_mb=round(memory_gb * MIB_PER_GB), gpus=tuple(gpus)
+            ),
+            agent_version="test",
+            engines=engines,
+            labels=dict(labels or {}),
         ),
-        agent_version="test",
-        engines=engines,
-        labels=dict(labels or {}),
-        gpus=cards,
-        send=_send,
+        _send,
     )
-    cluster.nodes[node_id] = node
-    return node
+    return cluster.nodes[node_id]
 
 
 def _hold(
@@ -155,12 +154,13 @@ def test_cores_are_reserved_per_replica() -> None:
 
 def test_cordoned_draining_disconnected_unlabelled_and_engineless_nodes_are_refused() -> None:
     cluster = Cluster()
-    cluster.settings = ServerSettings(
-        nodes=NodesSettings(cordoned=("cordoned",), draining=("draining",))
+    cluster.apply_settings(
+        ServerSettings(nodes=NodesSettings(cordoned=("cordoned",), draining=("draining",)))
     )
     _node(cluster, "cordoned", labels={"llmgw.role": "judge"})
     _node(cluster, "draining", labels={"llmgw.role": "judge"})
-    _node(cluster, "down", labels={"llmgw.role": "judge"}).connected = False
+    _node(cluster, "down", labels={"llmgw.role": "judge"})
+    cluster.node_disconnected("down")
     _node(cluster, "worker", labels={"llmgw.role": "worker"})
     _node(cluster, "novllm", labels={"llmgw.role": "judge"}, engines=("llamacpp",))
     _node(cluster, "good", labels={"llmgw.role": "judge", "zone": "b"}, engines=("vllm",))
@@ -227,7 +227,7 @@ def test_foreign_processes_on_a_card_leave_less_room() -> None:
     )
     _node(cluster, "a", gpus=cards, engines=("vllm",))
     model = _model(engine="vllm", gpu_class="h100-80g")
-    cluster.gpu_plans[("m", "default")] = 40 * 1024
+    cluster.set_gpu_plan("m", "default", 40 * 1024)
     assert place(model, _profile(model), cluster) == PlacementChoice(node_id="a", gpu_indices=(1,))
     _hold(cluster, "a", "m-0", cards=(1,), card_mb=40 * 1024, model="m")
     assert place(model, _profile(model), cluster) is None
@@ -237,7 +237,15 @@ def test_foreign_processes_on_a_card_leave_less_room() -> None:
         "32.0 GiB on card 1 (72.0 usable, 0.0 foreign, 40.0 reserved)"
     )
     # The foreign process ends (a heartbeat says so): card 0 fits again.
-    cluster.nodes["a"].gpus = (attrs.evolve(cards[0], foreign_memory_mb=0), cards[1])
+    cluster.heartbeat(
+        protocol.Heartbeat(
+            node_id="a",
+            memory_total_mb=cluster.nodes["a"].hardware.memory_total_mb,
+            memory_available_mb=0,
+            cpu_count=16,
+            gpus=(attrs.evolve(cards[0], foreign_memory_mb=0), cards[1]),
+        )
+    )
     assert place(model, _profile(model), cluster) == PlacementChoice(node_id="a", gpu_indices=(0,))
 
 
@@ -255,7 +263,7 @@ def test_two_plans_share_a_card_when_both_fit() -> None:
     cluster = Cluster()
     _node(cluster, "a", gpus=_gpus(H100, 81920, 1), engines=("vllm",))
     model = _model(engine="vllm", gpu_class="h100-80g")
-    cluster.gpu_plans[("m", "default")] = 30 * 1024
+    cluster.set_gpu_plan("m", "default", 30 * 1024)
     _hold(cluster, "a", "m-0", cards=(0,), card_mb=30 * 1024, model="m")
     assert place(model, _profile(model), cluster) == PlacementChoice(node_id="a", gpu_indices=(0,))
     _hold(cluster, "a", "m-1", cards=(0,), card_mb=30 * 1024, model="m")

@@ -168,7 +168,7 @@ def _model(replicas: int = 1, **fields: Any) -> ModelRecord:
 
 def _cluster(**settings: object) -> Cluster:
     cluster = Cluster(clock=trio.current_time)
-    cluster.settings = ServerSettings(**settings)  # type: ignore[arg-type]
+    cluster.apply_settings(ServerSettings(**settings))  # type: ignore[arg-type]
     return cluster
 
 
@@ -308,7 +308,7 @@ async def test_an_adopted_replica_with_another_fingerprint_is_stale_and_rolled(
 ) -> None:
     model = _model(1)
     cluster = _cluster()
-    cluster.models = {MODEL: model}
+    cluster.replace_catalog({MODEL: model})
     async with _rig(cluster, model) as rig:
         node = rig.node(
             "a",
@@ -445,7 +445,7 @@ async def test_a_draining_node_has_its_replica_moved_successor_ready_first(
         await rig.start()
         await _until(lambda: _ready(cluster) == ["m-0"])
         b = rig.node("b")
-        cluster.settings = ServerSettings(nodes=NodesSettings(draining=("a",)))
+        cluster.apply_settings(ServerSettings(nodes=NodesSettings(draining=("a",))))
         cluster.poke()
         await _until(lambda: list(cluster.shards) == ["m-0.g2"])
         assert b.starts() == ["m-0.g2"]
@@ -463,7 +463,7 @@ async def test_a_draining_replica_with_nowhere_to_go_serves_until_the_grace_ends
         a = rig.node("a")
         await rig.start()
         await _until(lambda: _ready(cluster) == ["m-0"])
-        cluster.settings = ServerSettings(nodes=NodesSettings(draining=("a",), drain_grace=60))
+        cluster.apply_settings(ServerSettings(nodes=NodesSettings(draining=("a",), drain_grace=60)))
         cluster.poke()
         began = trio.current_time()
         await trio.sleep(30)
@@ -497,12 +497,12 @@ async def test_serving_stopped_takes_everything_to_zero_and_back(
         node = rig.node("a")
         await rig.start()
         await _until(lambda: len(_ready(cluster)) == 2 and _ready(cluster, "other") == ["other-0"])
-        cluster.settings = ServerSettings(serving=ServingSettings(stopped=True))
+        cluster.apply_settings(ServerSettings(serving=ServingSettings(stopped=True)))
         cluster.poke()
         await _until(lambda: not cluster.shards)
         assert not cluster.any_ready()
         assert node.running == {}
-        cluster.settings = ServerSettings()
+        cluster.apply_settings(ServerSettings())
         cluster.poke()
         await _until(lambda: len(_ready(cluster)) == 2 and _ready(cluster, "other") == ["other-0"])
 

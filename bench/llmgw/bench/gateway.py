@@ -86,28 +86,32 @@ async def run_bench_gateway(
         secret, record = new_key(f"bench-{mode}")
         await store.insert_key(attrs.evolve(record, project_id=path.project.id, limits=roomy))
         cluster = Cluster()
-        cluster.is_leader = True
-        cluster.models = {
-            model: ModelRecord.simple(
-                # slots=0: the bench's engine runs any number at once, so
-                # admission never queues (its capacity is unbounded).
-                model,
-                "sim",
-                slots=0,
-                created_at=time.time(),
-            )
-        }
-        cluster.endpoints = {
-            model: [
-                Endpoint(
-                    replica_id=f"{model}-static",
-                    model=model,
-                    host=parts.hostname,
-                    port=parts.port,
-                    api_key=engine_key,
+        cluster.set_leader(True)
+        cluster.replace_catalog(
+            {
+                model: ModelRecord.simple(
+                    # slots=0: the bench's engine runs any number at once, so
+                    # admission never queues (its capacity is unbounded).
+                    model,
+                    "sim",
+                    slots=0,
+                    created_at=time.time(),
                 )
-            ]
-        }
+            }
+        )
+        cluster.set_fixed_endpoints(
+            {
+                model: [
+                    Endpoint(
+                        replica_id=f"{model}-static",
+                        model=model,
+                        host=parts.hostname,
+                        port=parts.port,
+                        api_key=engine_key,
+                    )
+                ]
+            }
+        )
         usage = UsageWriter()
         accounted = mode == "accounted"
         gateway = Gateway(

