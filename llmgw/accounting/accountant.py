@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Literal
 
 import attrs
 
 from llmgw import errors
-from llmgw.accounting.budgets import PERIODS, Budgets, Period, period_end
+from llmgw.accounting.budgets import PERIODS, Budgets, Period, period_end, period_start
 from llmgw.accounting.limiter import Counts, Limiter
 from llmgw.accounting.prices import PriceBook
+from llmgw.store import Store
 
 __all__ = [
     "RESERVATION_TTL_S",
@@ -41,6 +43,7 @@ __all__ = [
     "Refused",
     "Reservation",
     "ScopeLimits",
+    "restore_budgets",
 ]
 
 log = logging.getLogger("llmgw.accounting")
@@ -623,3 +626,19 @@ def _tightest(limiter: Limiter, limits: list[tuple[str, int]], now: float) -> Ra
         if best is None or remaining < best.remaining:
             best = RateFigures(scope, limit, remaining, limiter.seconds_to_reset(scope, now))
     return best
+
+
+async def restore_budgets(store: Store, accountant: Accountant) -> None:
+    """Rebuild ``accountant``'s budget counters from the store's usage of this day and month,
+    so a restart does not hand every key a fresh budget.
+
+    Raises:
+        StoreError: the store cannot be read.
+    """
+    now = time.time()
+    spend: dict[tuple[str, str], int] = {}
+    for period in ("day", "month"):
+        since = period_start(period, now)
+        for scope, micros in (await store.spend_since_by_scope(since)).items():
+            spend[(scope, period)] = micros
+    accountant.restore(spend, now)

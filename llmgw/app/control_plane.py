@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -21,8 +20,7 @@ import trio
 from prometheus_client import make_asgi_app
 
 from llmgw import metrics
-from llmgw.accounting.accountant import Accountant
-from llmgw.accounting.budgets import period_start
+from llmgw.accounting.accountant import Accountant, restore_budgets
 from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.admin.app import make_admin_app
@@ -42,7 +40,7 @@ from llmgw.store import Store
 from .leadership import lease_holder, release_leadership, serve_leadership
 from .listen import serve_asgi, split_address, with_lifespan
 
-__all__ = ["Addresses", "ServerConfig", "restore_budgets", "serve_control_plane"]
+__all__ = ["Addresses", "ServerConfig", "serve_control_plane"]
 
 log = logging.getLogger("llmgw.control")
 
@@ -80,18 +78,6 @@ class Addresses:
     @property
     def base_url(self) -> str:
         return f"http://{self.api}"
-
-
-async def restore_budgets(store: Store, accountant: Accountant) -> None:
-    """Budget counters rebuilt from the store's usage of this day and month,
-    so a restart does not hand every key a fresh budget."""
-    now = time.time()
-    spend: dict[tuple[str, str], int] = {}
-    for period in ("day", "month"):
-        since = period_start(period, now)
-        for scope, micros in (await store.spend_since_by_scope(since)).items():
-            spend[(scope, period)] = micros
-    accountant.restore(spend, now)
 
 
 async def serve_control_plane(
