@@ -746,6 +746,21 @@ class Cluster:
             return False
         return True
 
+    # --- changes asked through the admin API -------------------------------------
+
+    def put_model(self, model: ModelRecord) -> None:
+        """Add or replace the catalog entry ``model.name`` (the catalog is
+        replaced whole, so readers that cache by its identity see the
+        change) and wake the reconciler."""
+        self.models = {**self.models, model.name: model}
+        self.poke()
+
+    def drop_model(self, name: str) -> None:
+        """Remove the catalog entry ``name``, if there is one (the catalog is
+        replaced whole), and wake the reconciler."""
+        self.models = {k: v for k, v in self.models.items() if k != name}
+        self.poke()
+
 
 def _url_host(address: str) -> str:
     return f"[{address}]" if ":" in address else address

@@ -1,4 +1,4 @@
-"""The admin API's cluster routes (``llmgw.admin.control_api``) through
+"""The admin API's cluster routes (settings, system, models, nodes, the answer cache) through
 quart's test client, over a real SQLite store and an in-memory cluster."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import attrs
 import pytest
 
 from llmgw.admin.app import make_admin_app
-from llmgw.admin.control_api import change_context, purge_weights
 from llmgw.admin.keys import KeysService
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
@@ -19,6 +18,7 @@ from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo, engine_key
 from llmgw.control.live import LiveSettings
+from llmgw.control.model_ops import change_context, purge_weights
 from llmgw.settings import AuthSettings, ServerSettings
 from llmgw.store import ModelRecord, Profile, Store, open_sqlite_store
 
