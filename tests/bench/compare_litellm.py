@@ -694,7 +694,7 @@ def errors_text(runs: Sequence[Run]) -> str:
 def _has_bench_load() -> bool:
     """Whether this llmgw has the ``llmgw bench load`` command."""
     try:
-        from llmgw.cli.main import bench
+        from llmgw.cli.bench import bench
     except ImportError:
         return False
     return "load" in getattr(bench, "commands", {})

@@ -24,8 +24,10 @@ from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver
-from llmgw.cli.ctl import entry_from_flags, format_table, lookup_key
+from llmgw.cli.config import lookup_key
 from llmgw.cli.main import cli
+from llmgw.cli.models import entry_from_flags
+from llmgw.cli.options import format_table
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo
 from llmgw.control.live import LiveSettings
 from llmgw.control.server import serve_asgi
