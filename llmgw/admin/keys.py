@@ -196,6 +196,10 @@ class KeysService:
         """Make a key in ``project`` (``ORG/TEAM/PROJECT``, created if missing),
         or a personal key of ``person`` (a sign-in address; no project).
 
+        Returns:
+            The key's view with ``"key"`` (its secret, shown only here) and
+            ``"created"`` (the tree levels made, ``"org Acme"``, …).
+
         Raises:
             InvalidInput: a bad path, person, expiry or band, or both a project
                 and a person.
@@ -230,6 +234,9 @@ class KeysService:
     async def rotate(self, key_id: str) -> dict[str, Any]:
         """A new secret for a key; the old one is refused at once.
 
+        Returns:
+            The key's view with its new ``"prefix"`` and ``"key"`` (the secret).
+
         Raises:
             NotFound: no such key. Refused (409 ``key_revoked``): the key is revoked
                 or expired.
@@ -250,10 +257,13 @@ class KeysService:
         return {**key_view(key, path), "prefix": fresh.prefix, "key": secret}
 
     async def list_keys(self) -> list[dict[str, Any]]:
+        """Every key's view, revoked ones too (never a secret)."""
         paths = {p.project.id: p for p in await self._store.list_tree()}
         return [key_view(k, paths.get(k.project_id or "")) for k in await self._store.list_keys()]
 
     async def tree(self) -> list[dict[str, Any]]:
+        """Every project: ``{"path", "project_id", "limits": {"org", "team",
+        "project"}}`` (each a limits view)."""
         return [
             {
                 "path": p.path,
@@ -272,6 +282,9 @@ class KeysService:
 
         ``ident``: a key id for ``key``; a path for the others (``Acme``,
         ``Acme/ml``, ``Acme/ml/train``) or the level's id.
+
+        Returns:
+            ``{"scope", "id" (the level's), "limits" (the new limits view)}``.
 
         Raises:
             NotFound: no such level. InvalidInput: bad scope or limits.

@@ -93,11 +93,12 @@ def _register(
 ) -> None:
     """Unstructure ``cls`` to its fields in ``keep`` (all when ``None``),
     renamed by ``renames``, each through its hook in ``hooks``."""
-    kept = None if keep is None else set(keep)
+    names = {f.name for f in attrs.fields(cls)}
+    kept = names if keep is None else set(keep)
+    if not kept | set(renames or {}) | set(hooks or {}) <= names:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(kept - names)}")
     overrides: dict[str, Any] = {
-        f.name: override(omit=True)
-        for f in attrs.fields(cls)
-        if kept is not None and f.name not in kept
+        f.name: override(omit=True) for f in attrs.fields(cls) if f.name not in kept
     }
     for name in set(renames or {}) | set(hooks or {}):
         overrides[name] = override(
