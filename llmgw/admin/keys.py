@@ -1,21 +1,37 @@
-"""Keys, the tenancy tree and limits, as the admin API manages them.
+"""The admin API's keys, tenancy tree and limits: the rules, and their routes.
 
-Rules (``shared/spec/tenancy-and-keys.md``): keys belong to a project, or
-to a person (personal keys: their own limits and the defaults only); a
-project path that does not exist yet is created (and the answer says which
-levels were made); ``auth.max_key_ttl`` caps a key's life and is the expiry
-of keys made without one; a level's limits only narrow what is above it (the
-accountant enforces that along the path); ``keys init`` is idempotent and
-never re-parents a team or project.
+Rules: keys belong to a project, or to a person (personal keys: their own
+limits and the defaults only); a project path that does not exist yet is
+created (and the answer says which levels were made); ``auth.max_key_ttl``
+caps a key's life and is the expiry of keys made without one; a level's
+limits only narrow what is above it (the accountant enforces that along the
+path); ``keys init`` is idempotent and never re-parents a team or project;
+revoking a key clears its limiter counters, and the last live admin key
+cannot be revoked.
 
 Money: budgets are given in currency units (``25`` or ``"25.50"``) and kept
-in integer micro-units (``25_000_000``), the unit of prices
-(``shared/spec/accounting.md``).
+in integer micro-units (``25_000_000``), the unit of prices.
+
+Routes (a key is :func:`llmgw.admin.views.key_view`, never its secret
+except where said):
+
+- ``POST /api/v1/keys`` ``{"name", "project"? | "person"?, "expires"?,
+  "band"?}`` → 201, the key with ``"key"`` (its secret, shown once) and
+  ``"created"`` (tree levels made);
+- ``GET /api/v1/keys`` → ``{"data": [key]}``;
+- ``POST /api/v1/keys/<id>/rotate`` → the key with a new ``"key"``; 409
+  ``key_revoked`` for a revoked or expired key;
+- ``POST /api/v1/keys/<id>/revoke`` → ``{"id", "revoked": true}``; 409
+  ``already_revoked`` or ``last_admin_key``;
+- ``POST /api/v1/tree`` (:meth:`KeysService.init_tree`) → ``{"created",
+  "keys"}``; ``GET /api/v1/tree`` → ``{"data": [{"path", "project_id",
+  "limits": {"org", "team", "project"}}]}``;
+- ``PUT /api/v1/limits/<org|team|project|key>/<path or id>`` (limits, null
+  clears one) → ``{"scope", "id", "limits"}``.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import re
 import time
 from decimal import Decimal, InvalidOperation
@@ -23,19 +39,24 @@ from typing import Any, Final
 
 import attrs
 import trio
+from quart import request
+from quart_trio import QuartTrio
 
+from llmgw import errors
 from llmgw.accounting.accountant import Accountant
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver, parse_project_path
 from llmgw.settings import AuthSettings, parse_duration_s
-from llmgw.store import KeyRecord, Store
-from llmgw.store.records import Limits, Org, Project, ProjectPath, Team
+from llmgw.store import Store
+from llmgw.store.records import Limits, Org, Project, Team
 
-__all__ = ["DEFAULT_PROJECT", "KeysService", "parse_budget_micros", "parse_since"]
+from .errors import BadRequest, Clash, NoSuch
+from .views import MICROS_PER_UNIT, key_view, limits_view
+
+__all__ = ["DEFAULT_PROJECT", "KeysService", "add_key_routes", "parse_budget_micros"]
 
 #: Where keys made without ``--project`` go (a fresh install's one project).
 DEFAULT_PROJECT: Final = "default/default/default"
-MICROS_PER_UNIT: Final = 1_000_000
 #: The largest budget accepted, in currency units.
 MAX_BUDGET_UNITS: Final = 10**12
 #: Key names and sign-in addresses: printable, no control characters.
@@ -44,67 +65,44 @@ _LIMIT_FIELDS: Final = ("rpm", "tpm", "budget_day", "budget_month", "models")
 _PERSON: Final = re.compile(r"^[^@\s]{1,64}@[^@\s]{1,255}$")
 
 
-def parse_since(value: str, now: float) -> float:
-    """A time: a duration back from ``now`` (``24h``, ``30d``), an ISO date or
-    date-time (UTC when no zone is given), or epoch seconds.
+def _project_path(path: str) -> tuple[str, str, str]:
+    """:func:`~llmgw.auth.tree.parse_project_path`, its error in the tree.
 
     Raises:
-        ValueError: none of those.
+        InvalidInput: not ``ORG/TEAM/PROJECT``.
     """
-    text = value.strip()
-    if len(text) > 40:
-        raise ValueError(f"{text[:40]!r}… is not a time")
     try:
-        back_s = parse_duration_s(text)
-    except (ValueError, OverflowError):
-        pass
-    else:
-        if back_s > 100 * 365 * 86400:
-            raise ValueError(f"{value!r} is more than a hundred years back")
-        return now - back_s
-    try:
-        epoch = float(text)
-    except ValueError:
-        pass
-    else:
-        if not 0 <= epoch < 1e11:
-            raise ValueError(f"{value!r} is not a time in epoch seconds")
-        return epoch
-    try:
-        when = dt.datetime.fromisoformat(text)
-    except ValueError:
-        raise ValueError(
-            f"{value!r} is not a time: give 24h, 30d, 2026-11-01, 2026-11-01T12:00 or epoch seconds"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.UTC)
-    return when.timestamp()
+        return parse_project_path(path)
+    except ValueError as exc:
+        raise errors.InvalidInput(str(exc)) from None
 
 
 def parse_budget_micros(value: object) -> int | None:
     """Currency units (``25``, ``"25.50"``) → integer micro-units; None stays None.
 
     Raises:
-        ValueError: not a non-negative amount.
+        InvalidInput: not a non-negative amount.
     """
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not an amount")
+        raise errors.InvalidInput(f"{value!r} is not an amount")
     text = str(value)
     if len(text) > 32:
-        raise ValueError(f"{text[:32]!r}… is not an amount like 25 or 25.50")
+        raise errors.InvalidInput(f"{text[:32]!r}… is not an amount like 25 or 25.50")
     try:
         amount = Decimal(text)
     except InvalidOperation:
-        raise ValueError(f"{value!r} is not an amount like 25 or 25.50") from None
+        raise errors.InvalidInput(f"{value!r} is not an amount like 25 or 25.50") from None
     if not amount.is_finite() or amount < 0:
-        raise ValueError(f"{value!r} is not a non-negative amount")
+        raise errors.InvalidInput(f"{value!r} is not a non-negative amount")
     if amount > MAX_BUDGET_UNITS:
-        raise ValueError(f"{value!r} is more than the largest budget, {MAX_BUDGET_UNITS:,}")
+        raise errors.InvalidInput(
+            f"{value!r} is more than the largest budget, {MAX_BUDGET_UNITS:,}"
+        )
     micros = int(amount * MICROS_PER_UNIT)
     if micros == 0 and amount > 0:
-        raise ValueError(f"{value!r} is less than one micro-unit (0.000001)")
+        raise errors.InvalidInput(f"{value!r} is less than one micro-unit (0.000001)")
     return micros
 
 
@@ -117,10 +115,12 @@ def _human(seconds: float) -> str:
 
 def _limits_from(doc: object, base: Limits) -> Limits:
     if not isinstance(doc, dict):
-        raise ValueError("limits must be a JSON object")
+        raise errors.InvalidInput("limits must be a JSON object")
     unknown = set(doc) - set(_LIMIT_FIELDS)
     if unknown:
-        raise ValueError(f"unknown limit(s) {sorted(unknown)}; known: {', '.join(_LIMIT_FIELDS)}")
+        raise errors.InvalidInput(
+            f"unknown limit(s) {sorted(unknown)}; known: {', '.join(_LIMIT_FIELDS)}"
+        )
     changes: dict[str, Any] = {}
     for name in ("rpm", "tpm"):
         if name in doc:
@@ -128,7 +128,7 @@ def _limits_from(doc: object, base: Limits) -> Limits:
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
-                raise ValueError(
+                raise errors.InvalidInput(
                     f"'{name}' must be a whole number (0 or more), or null to clear it"
                 )
             changes[name] = value
@@ -140,26 +140,13 @@ def _limits_from(doc: object, base: Limits) -> Limits:
         if models is not None and (
             not isinstance(models, list) or not all(isinstance(m, str) and m for m in models)
         ):
-            raise ValueError("'models' must be a list of model names, or null to inherit")
+            raise errors.InvalidInput("'models' must be a list of model names, or null to inherit")
         if models is not None and not models:
-            raise ValueError(
+            raise errors.InvalidInput(
                 "'models' must name at least one model (null inherits the level above)"
             )
         changes["models"] = None if models is None else tuple(models)
     return attrs.evolve(base, **changes)
-
-
-def _limits_doc(limits: Limits) -> dict[str, Any]:
-    def units(micros: int | None) -> str | None:
-        return None if micros is None else str(Decimal(micros) / MICROS_PER_UNIT)
-
-    return {
-        "rpm": limits.rpm,
-        "tpm": limits.tpm,
-        "budget_day": units(limits.budget_day_micros),
-        "budget_month": units(limits.budget_month_micros),
-        "models": None if limits.models is None else list(limits.models),
-    }
 
 
 class KeysService:
@@ -188,11 +175,11 @@ class KeysService:
         try:
             life_s = parse_duration_s(expires)
         except (ValueError, OverflowError) as exc:
-            raise ValueError(f"'expires': {exc}") from None
+            raise errors.InvalidInput(f"'expires': {exc}") from None
         if life_s <= 0:
-            raise ValueError("'expires' must be a positive duration like 30d")
+            raise errors.InvalidInput("'expires' must be a positive duration like 30d")
         if cap_s is not None and life_s > cap_s:
-            raise ValueError(
+            raise errors.InvalidInput(
                 f"'expires' {expires} is longer than auth.max_key_ttl ({_human(cap_s)})"
             )
         return now + life_s
@@ -209,73 +196,82 @@ class KeysService:
         """Make a key in ``project`` (``ORG/TEAM/PROJECT``, created if missing),
         or a personal key of ``person`` (a sign-in address; no project).
 
+        Returns:
+            The key's view with ``"key"`` (its secret, shown only here) and
+            ``"created"`` (the tree levels made, ``"org Acme"``, …).
+
         Raises:
-            ValueError: a bad path, person, expiry or band, or both a project
+            InvalidInput: a bad path, person, expiry or band, or both a project
                 and a person.
         """
         now = time.time()
         if not _PRINTABLE.match(name) or len(name) > 200:
-            raise ValueError("a key's name is 1 to 200 printable characters")
+            raise errors.InvalidInput("a key's name is 1 to 200 printable characters")
         if project is not None and not isinstance(project, str):
-            raise ValueError("'project' must be a path like Acme/ml/train")
+            raise errors.InvalidInput("'project' must be a path like Acme/ml/train")
         if not isinstance(band, str) or len(band) > 64 or (band and not _PRINTABLE.match(band)):
-            raise ValueError("'band' must be a short name")
+            raise errors.InvalidInput("'band' must be a short name")
         expires_at = self._expiry(expires, now)
         secret, record = new_key(name, now=now)
         if person is not None:
             if project is not None:
-                raise ValueError("a key belongs to a project or to a person, not both")
+                raise errors.InvalidInput("a key belongs to a project or to a person, not both")
             if (
                 not isinstance(person, str)
                 or not _PERSON.match(person)
                 or not _PRINTABLE.match(person)
             ):
-                raise ValueError("'person' must be a sign-in address like ada@example.com")
+                raise errors.InvalidInput("'person' must be a sign-in address like ada@example.com")
             record = attrs.evolve(record, owner=person, band=band, expires_at=expires_at)
             await self._store.insert_key(record)
-            return {**self._key_doc(record, None), "key": secret, "created": []}
-        org, team, proj = parse_project_path(project or DEFAULT_PROJECT)
+            return {**key_view(record, None), "key": secret, "created": []}
+        org, team, proj = _project_path(project or DEFAULT_PROJECT)
         path, created = await self._store.ensure_project(org, team, proj, now)
         record = attrs.evolve(record, project_id=path.project.id, band=band, expires_at=expires_at)
         await self._store.insert_key(record)
-        return {**self._key_doc(record, path), "key": secret, "created": created}
+        return {**key_view(record, path), "key": secret, "created": created}
 
     async def rotate(self, key_id: str) -> dict[str, Any]:
         """A new secret for a key; the old one is refused at once.
 
+        Returns:
+            The key's view with its new ``"prefix"`` and ``"key"`` (the secret).
+
         Raises:
-            LookupError: no such key. ValueError: the key is revoked.
+            NotFound: no such key. Refused (409 ``key_revoked``): the key is revoked
+                or expired.
         """
         key = await self._store.get_key(key_id)
         if key is None:
-            raise LookupError(f"No key {key_id!r}.")
+            raise NoSuch(f"No key {key_id!r}.")
         if key.revoked_at is not None:
-            raise ValueError(f"Key {key_id!r} is revoked; make a new one.")
+            raise Clash(f"Key {key_id!r} is revoked; make a new one.", code="key_revoked")
         if key.expires_at is not None and key.expires_at <= time.time():
-            raise ValueError(f"Key {key_id!r} has expired; make a new one.")
+            raise Clash(f"Key {key_id!r} has expired; make a new one.", code="key_revoked")
         secret, fresh = new_key(key.name)
         await self._store.update_key(
             attrs.evolve(key, key_hash=fresh.key_hash, prefix=fresh.prefix)
         )
         self._auth.forget(key_id)
         path = await self._store.get_project_path(key.project_id) if key.project_id else None
-        return {**self._key_doc(key, path), "prefix": fresh.prefix, "key": secret}
+        return {**key_view(key, path), "prefix": fresh.prefix, "key": secret}
 
     async def list_keys(self) -> list[dict[str, Any]]:
+        """Every key's view, revoked ones too (never a secret)."""
         paths = {p.project.id: p for p in await self._store.list_tree()}
-        return [
-            self._key_doc(k, paths.get(k.project_id or "")) for k in await self._store.list_keys()
-        ]
+        return [key_view(k, paths.get(k.project_id or "")) for k in await self._store.list_keys()]
 
     async def tree(self) -> list[dict[str, Any]]:
+        """Every project: ``{"path", "project_id", "limits": {"org", "team",
+        "project"}}`` (each a limits view)."""
         return [
             {
                 "path": p.path,
                 "project_id": p.project.id,
                 "limits": {
-                    "org": _limits_doc(p.org.limits),
-                    "team": _limits_doc(p.team.limits),
-                    "project": _limits_doc(p.project.limits),
+                    "org": limits_view(p.org.limits),
+                    "team": limits_view(p.team.limits),
+                    "project": limits_view(p.project.limits),
                 },
             }
             for p in await self._store.list_tree()
@@ -287,24 +283,27 @@ class KeysService:
         ``ident``: a key id for ``key``; a path for the others (``Acme``,
         ``Acme/ml``, ``Acme/ml/train``) or the level's id.
 
+        Returns:
+            ``{"scope", "id" (the level's), "limits" (the new limits view)}``.
+
         Raises:
-            LookupError: no such level. ValueError: bad scope or limits.
+            NotFound: no such level. InvalidInput: bad scope or limits.
         """
         if scope not in ("org", "team", "project", "key"):
-            raise ValueError("scope is one of org, team, project, key")
+            raise errors.InvalidInput("scope is one of org, team, project, key")
         target_id, current = await self._find(scope, ident)
         limits = _limits_from(doc, current)
         await self._store.set_limits(scope, target_id, limits)  # type: ignore[arg-type]
         self._auth.forget(target_id)
         self._resolver.forget()
-        return {"scope": scope, "id": target_id, "limits": _limits_doc(limits)}
+        return {"scope": scope, "id": target_id, "limits": limits_view(limits)}
 
     async def _find(self, scope: str, ident: str) -> tuple[str, Limits]:
         ident = ident.strip().strip("/")
         if scope == "key":
             key = await self._store.get_key(ident)
             if key is None:
-                raise LookupError(f"No key {ident!r}.")
+                raise NoSuch(f"No key {ident!r}.")
             return key.id, key.limits
         parts = ident.split("/")
         if scope == "org" and len(parts) == 1:
@@ -329,7 +328,7 @@ class KeysService:
                 level = path.project
             if level.id == ident:
                 return level.id, level.limits
-        raise LookupError(f"No {scope} {ident!r}.")
+        raise NoSuch(f"No {scope} {ident!r}.")
 
     async def init_tree(self, doc: object) -> dict[str, Any]:
         """Provision a tree (and keys) from ``{"orgs": [...]}``; idempotent.
@@ -340,7 +339,7 @@ class KeysService:
         levels keep their parents; given limits are applied.
 
         Raises:
-            ValueError: a malformed document (nothing is changed then).
+            InvalidInput: a malformed document (nothing is changed then).
         """
         plan = _parse_tree(doc)
         for *_, keys in plan:
@@ -353,12 +352,16 @@ class KeysService:
         """Everything :meth:`create` would refuse, refused before any change."""
         unknown = set(key_doc) - {"name", "band", "expires"}
         if unknown:
-            raise ValueError(f"key {key_doc['name']!r}: unknown field(s) {sorted(unknown)}")
+            raise errors.InvalidInput(
+                f"key {key_doc['name']!r}: unknown field(s) {sorted(unknown)}"
+            )
         band = key_doc.get("band", "")
         if not isinstance(band, str) or len(band) > 64:
-            raise ValueError(f"key {key_doc['name']!r}: 'band' must be a short name")
+            raise errors.InvalidInput(f"key {key_doc['name']!r}: 'band' must be a short name")
         if not _PRINTABLE.match(key_doc["name"]) or len(key_doc["name"]) > 200:
-            raise ValueError(f"key {key_doc['name']!r}: a name is 1 to 200 printable characters")
+            raise errors.InvalidInput(
+                f"key {key_doc['name']!r}: a name is 1 to 200 printable characters"
+            )
         self._expiry(key_doc.get("expires"), time.time())
 
     async def _apply_tree(self, plan: _TreePlan) -> dict[str, Any]:
@@ -412,28 +415,35 @@ class KeysService:
             names[path.org.id] = path.org.name
         return names
 
-    def forget_key(self, key_id: str) -> None:
-        """After a revoke: the key's cached path and its limiter counters go
-        (tenancy-and-keys.md: revoking a key clears its limiter counters)."""
+    async def revoke(self, key_id: str) -> dict[str, Any]:
+        """Revoke a key: it is refused at once, and its cached path and its
+        limiter counters go.
+
+        Raises:
+            NotFound: no such key. Refused (409): the key is already revoked
+                (``already_revoked``), or it is the only live admin key
+                (``last_admin_key``: revoking it would lock the admin API).
+        """
+        key = await self._store.get_key(key_id)
+        if key is None:
+            raise NoSuch(f"No key {key_id!r}.")
+        if key.revoked_at is not None:
+            raise Clash(f"Key {key_id!r} is already revoked.", code="already_revoked")
+        if key.is_admin:
+            live_admins = [
+                k for k in await self._store.list_keys() if k.is_admin and k.revoked_at is None
+            ]
+            if len(live_admins) <= 1:
+                raise Clash(
+                    "This is the only live admin key; revoking it would lock the admin API.",
+                    code="last_admin_key",
+                )
+        await self._store.revoke_key(key_id, time.time())
+        self._auth.forget(key_id)
         self._resolver.forget()
         if self._accountant is not None:
             self._accountant.forget_key(key_id)
-
-    @staticmethod
-    def _key_doc(record: KeyRecord, path: ProjectPath | None) -> dict[str, Any]:
-        return {
-            "id": record.id,
-            "name": record.name,
-            "prefix": record.prefix,
-            "project": path.path if path is not None else None,
-            "person": record.owner or None,
-            "band": record.band,
-            "created_at": record.created_at,
-            "is_admin": record.is_admin,
-            "revoked_at": record.revoked_at,
-            "expires_at": record.expires_at,
-            "limits": _limits_doc(record.limits),
-        }
+        return {"id": key_id, "revoked": True}
 
 
 _TreePlan = list[tuple[str, object, str, object, str, object, list[dict[str, Any]]]]
@@ -450,23 +460,25 @@ def _parse_tree(doc: object) -> _TreePlan:
     def items(parent: object, key: str, where: str) -> list[dict[str, Any]]:
         value = parent.get(key, []) if isinstance(parent, dict) else None
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-            raise ValueError(f"{where}.{key} must be a list of objects")
+            raise errors.InvalidInput(f"{where}.{key} must be a list of objects")
         for v in value:
             if not isinstance(v.get("name"), str) or not v["name"]:
-                raise ValueError(f"every entry of {where}.{key} needs a 'name'")
+                raise errors.InvalidInput(f"every entry of {where}.{key} needs a 'name'")
             unknown = set(v) - allowed[key]
             if unknown:
-                raise ValueError(f"{where}.{key} {v['name']!r}: unknown field(s) {sorted(unknown)}")
+                raise errors.InvalidInput(
+                    f"{where}.{key} {v['name']!r}: unknown field(s) {sorted(unknown)}"
+                )
         return value
 
     if not isinstance(doc, dict) or set(doc) - {"orgs"}:
-        raise ValueError("the tree must be an object with just 'orgs'")
+        raise errors.InvalidInput("the tree must be an object with just 'orgs'")
     plan: _TreePlan = []
     for org in items(doc, "orgs", "$"):
         for team in items(org, "teams", org["name"]):
             for proj in items(team, "projects", f"{org['name']}/{team['name']}"):
                 where = f"{org['name']}/{team['name']}/{proj['name']}"
-                parse_project_path(where)
+                _project_path(where)
                 keys = items(proj, "keys", where)
                 for limits in (org.get("limits"), team.get("limits"), proj.get("limits")):
                     if limits is not None:
@@ -483,3 +495,58 @@ def _parse_tree(doc: object) -> _TreePlan:
                     )
                 )
     return plan
+
+
+# --- the routes ---------------------------------------------------------------------
+
+_KEY_FIELDS: Final = ("name", "project", "person", "expires", "band")
+
+
+def add_key_routes(app: QuartTrio, keys: KeysService) -> None:
+    """Add the routes of the module docstring to ``app``."""
+
+    @app.post("/api/v1/keys")
+    async def create_key() -> Any:
+        doc = await request.get_json(silent=True)
+        if not isinstance(doc, dict):
+            raise BadRequest(
+                "Send a JSON object with 'name' (and 'project' or 'person', 'expires', 'band')."
+            )
+        unknown = set(doc) - set(_KEY_FIELDS)
+        if unknown:
+            raise BadRequest(f"Unknown field(s) {sorted(unknown)}.")
+        name = doc.get("name")
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise BadRequest("'name' is required: a string of 1 to 200 characters.")
+        made = await keys.create(
+            name.strip(),
+            project=doc.get("project"),
+            person=doc.get("person"),
+            expires=doc.get("expires"),
+            band=doc.get("band") or "",
+        )
+        return made, 201
+
+    @app.get("/api/v1/keys")
+    async def list_keys() -> Any:
+        return {"data": await keys.list_keys()}
+
+    @app.post("/api/v1/keys/<key_id>/rotate")
+    async def rotate_key(key_id: str) -> Any:
+        return await keys.rotate(key_id)
+
+    @app.post("/api/v1/keys/<key_id>/revoke")
+    async def revoke_key(key_id: str) -> Any:
+        return await keys.revoke(key_id)
+
+    @app.post("/api/v1/tree")
+    async def init_tree() -> Any:
+        return await keys.init_tree(await request.get_json(silent=True))
+
+    @app.get("/api/v1/tree")
+    async def list_tree() -> Any:
+        return {"data": await keys.tree()}
+
+    @app.put("/api/v1/limits/<scope>/<path:ident>")
+    async def set_limits(scope: str, ident: str) -> Any:
+        return await keys.set_limits(scope, ident, await request.get_json(silent=True))

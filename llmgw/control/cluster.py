@@ -376,9 +376,7 @@ class Cluster:
     # --- the state, read only -------------------------------------------------------
 
     @property
-    def nodes(self) -> dict[str, NodeInfo]:
-        # Typed ``dict`` only while tests outside the control plane's own
-        # (tests/admin, tests/cli) add nodes by item; read it, never change it.
+    def nodes(self) -> Mapping[str, NodeInfo]:
         return self._nodes
 
     @property
@@ -390,16 +388,8 @@ class Cluster:
         return self._endpoints
 
     @property
-    def models(self) -> dict[str, ModelRecord]:
-        # Typed ``dict`` only while a test outside the control plane's own
-        # (tests/admin) sets a model by item; read it, never change it.
+    def models(self) -> Mapping[str, ModelRecord]:
         return self._models
-
-    @models.setter
-    def models(self, models: Mapping[str, ModelRecord]) -> None:
-        # Only while llmgw/admin still assigns the catalog; it goes once the
-        # admin API calls replace_catalog.
-        self.replace_catalog(models)
 
     @property
     def catalog_loaded(self) -> bool:
@@ -408,11 +398,6 @@ class Cluster:
     @property
     def secret(self) -> bytes:
         return self._secret
-
-    @secret.setter
-    def secret(self, secret: bytes) -> None:
-        # Only while tests/admin still assigns it; it goes once they call set_secret.
-        self.set_secret(secret)
 
     @property
     def settings(self) -> ServerSettings:
@@ -956,6 +941,21 @@ class Cluster:
         except trio.WouldBlock:
             return False
         return True
+
+    # --- changes asked through the admin API -------------------------------------
+
+    def put_model(self, model: ModelRecord) -> None:
+        """Add or replace the catalog entry ``model.name`` (the catalog is
+        replaced whole, so readers that cache by its identity see the
+        change) and wake the reconciler."""
+        self.replace_catalog({**self._models, model.name: model})
+        self.poke()
+
+    def drop_model(self, name: str) -> None:
+        """Remove the catalog entry ``name``, if there is one (the catalog is
+        replaced whole), and wake the reconciler."""
+        self.replace_catalog({k: v for k, v in self._models.items() if k != name})
+        self.poke()
 
 
 def _url_host(address: str) -> str:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import collections
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Final, NoReturn, Protocol
 
 import trio
@@ -181,7 +181,7 @@ async def serve_reconciler(
 
 
 async def reconcile_once(
-    models: dict[str, ModelRecord], cluster: Cluster, port_range: PortRange
+    models: Mapping[str, ModelRecord], cluster: Cluster, port_range: PortRange
 ) -> None:
     """One pass: start, restart, roll, retire and stop shards so actual
     moves toward wanted (module docstring)."""

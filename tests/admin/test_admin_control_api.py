@@ -1,65 +1,22 @@
-"""The admin API's cluster routes (``llmgw.admin.control_api``) through
+"""The admin API's cluster routes (settings, system, models, nodes, the answer cache) through
 quart's test client, over a real SQLite store and an in-memory cluster."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import attrs
 import pytest
 
-from llmgw.admin.app import make_admin_app
-from llmgw.admin.control_api import change_context, purge_weights
-from llmgw.admin.keys import KeysService
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
-from llmgw.auth.keys import KeyAuthenticator, new_key
-from llmgw.auth.tree import ScopeResolver
+from llmgw.auth.keys import new_key
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo, engine_key
-from llmgw.control.live import LiveSettings
-from llmgw.settings import AuthSettings, ServerSettings
-from llmgw.store import ModelRecord, Profile, Store, open_sqlite_store
+from llmgw.control.model_ops import change_context, purge_weights
+from llmgw.store import ModelRecord, Profile
 
-
-@attrs.define
-class Admin:
-    """The app's test client with the admin key, and what is behind it."""
-
-    client: Any
-    secret: str
-    key_id: str
-    store: Store
-    cluster: Cluster
-    live: LiveSettings
-    data_dir: Path
-
-    async def call(
-        self, method: str, path: str, body: Any = None, *, key: str | None = None
-    ) -> tuple[int, Any]:
-        headers = {"authorization": f"Bearer {self.secret if key is None else key}"}
-        kwargs: dict[str, Any] = {"method": method, "headers": headers}
-        if body is not None:
-            kwargs["json"] = body
-        response = await self.client.open(path, **kwargs)
-        return response.status_code, await response.get_json()
-
-
-@pytest.fixture
-async def admin(tmp_path: Path) -> AsyncIterator[Admin]:
-    async with open_sqlite_store(tmp_path / "llmgw.db") as store:
-        cluster = Cluster()
-        cluster.secret = b"s" * 32
-        authenticator = KeyAuthenticator(store)
-        keys = KeysService(store, authenticator, ScopeResolver(store), AuthSettings())
-        secret, record = new_key("ops", is_admin=True)
-        await store.insert_key(record)
-        live = LiveSettings(store, cluster)
-        await live.seed(ServerSettings())
-        await live.refresh()
-        app = make_admin_app(store, cluster, authenticator, keys, live=live, data_dir=tmp_path)
-        yield Admin(app.test_client(), secret, record.id, store, cluster, live, tmp_path)
+if TYPE_CHECKING:
+    from tests.admin.conftest import Admin
 
 
 def sim_entry(name: str = "second", **fields: Any) -> dict[str, Any]:
@@ -71,15 +28,20 @@ def hardware(**fields: Any) -> protocol.Hardware:
 
 
 def add_node(cluster: Cluster, node_id: str = "n1") -> NodeInfo:
-    node = NodeInfo(
-        node_id=node_id,
-        address="10.0.0.1",
-        hardware=hardware(memory_bandwidth_gbps=40.0),
-        agent_version="0.1.0",
-        memory_available_mb=8192,
+    cluster.node_registered(
+        protocol.Register(
+            node_id=node_id,
+            address="10.0.0.1",
+            hardware=hardware(memory_bandwidth_gbps=40.0, memory_available_mb=8192),
+            agent_version="0.1.0",
+        ),
+        _send,
     )
-    cluster.nodes[node_id] = node
-    return node
+    return cluster.nodes[node_id]
+
+
+async def _send(message: protocol.Message) -> None:
+    """A node's link that takes every message and sends it nowhere."""
 
 
 def add_shard(
@@ -232,7 +194,7 @@ async def test_system_stop_and_start_set_serving_stopped(admin: Admin) -> None:
 async def test_status_says_whether_serving_and_each_model_ready_of_wanted(admin: Admin) -> None:
     add_node(admin.cluster)
     model = ModelRecord.simple("m", "sim", replicas=2)
-    admin.cluster.models["m"] = model
+    admin.cluster.put_model(model)
     add_shard(admin.cluster, "m-0", "m", ShardState.READY)
     add_shard(admin.cluster, "m-1", "m", ShardState.STARTING)
     await admin.call("POST", "/api/v1/system/stop")
@@ -581,11 +543,13 @@ async def test_a_change_to_a_setting_read_at_start_says_it_needs_a_restart(admin
 async def test_a_model_shows_why_its_replicas_wait_and_only_its_own(admin: Admin) -> None:
     await admin.store.put_model(ModelRecord.simple("m", "sim", replicas=2))
     await admin.store.put_model(ModelRecord.simple("m-big", "sim", replicas=1))
-    admin.cluster.waiting = {
-        "m-1": "needs 9.0 GB host memory; 2.0 GB of 16.0 GB free after 1 replica",
-        "m-big-0": "needs 4 cores",
-        "m-0.g2": "successor waits for room",
-    }
+    admin.cluster.set_waiting(
+        {
+            "m-1": "needs 9.0 GB host memory; 2.0 GB of 16.0 GB free after 1 replica",
+            "m-big-0": "needs 4 cores",
+            "m-0.g2": "successor waits for room",
+        }
+    )
     _, view = await admin.call("GET", "/api/v1/models/m")
     assert view["waiting"] == {
         "m-0.g2": "successor waits for room",

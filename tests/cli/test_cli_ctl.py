@@ -25,9 +25,11 @@ from llmgw.agent.protocol import ShardState
 from llmgw.app.listen import serve_asgi
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver
-from llmgw.cli.ctl import entry_from_flags, format_table, lookup_key
+from llmgw.cli.config import lookup_key
 from llmgw.cli.main import cli
-from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo
+from llmgw.cli.models import entry_from_flags
+from llmgw.cli.options import format_table
+from llmgw.control.cluster import Cluster, ShardInfo
 from llmgw.control.live import LiveSettings
 from llmgw.settings import AuthSettings, ServerSettings
 from llmgw.store import Store, open_sqlite_store
@@ -80,20 +82,27 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
 
 
 def add_node(cluster: Cluster) -> None:
-    cluster.nodes["n1"] = NodeInfo(
-        node_id="n1",
-        address="10.0.0.1",
-        hardware=protocol.Hardware(
-            cpu_count=8,
-            memory_total_mb=16384,
-            memory_bandwidth_gbps=40.0,
-            core_bandwidth_gbps=12.0,
-            gpus=(protocol.Gpu(index=0, name="NVIDIA H100 80GB HBM3", memory_total_mb=81559),),
+    cluster.node_registered(
+        protocol.Register(
+            node_id="n1",
+            address="10.0.0.1",
+            hardware=protocol.Hardware(
+                cpu_count=8,
+                memory_total_mb=16384,
+                memory_available_mb=8192,
+                memory_bandwidth_gbps=40.0,
+                core_bandwidth_gbps=12.0,
+                gpus=(protocol.Gpu(index=0, name="NVIDIA H100 80GB HBM3", memory_total_mb=81559),),
+            ),
+            agent_version="0.1.0",
+            engines=("llamacpp", "sim"),
         ),
-        agent_version="0.1.0",
-        memory_available_mb=8192,
-        engines=("llamacpp", "sim"),
+        _send,
     )
+
+
+async def _send(message: protocol.Message) -> None:
+    """A node's link that takes every message and sends it nowhere."""
 
 
 # --- pure helpers ----------------------------------------------------------------------

@@ -47,7 +47,7 @@ from .response import HttpProtocolError, ResponseParser
 from .results import LoadResult, Percentiles, Tally
 
 if TYPE_CHECKING:
-    import click
+    pass
 
 __all__ = [
     "MAX_IN_FLIGHT",
@@ -580,14 +580,3 @@ async def run_load(config: LoadConfig) -> LoadResult:
         totals_ms=tuple(stats.totals),
         itls_ms=tuple(stats.itls),
     )
-
-
-# TRANSITIONAL (issue 10): the old ``bench`` group in ``llmgw/cli/main.py``
-# still imports ``load_command`` from here; the command now lives in
-# :mod:`llmgw.bench.cli`. Delete this function when that old group goes.
-def __getattr__(name: str) -> click.Command:
-    if name == "load_command":
-        from .cli import load_command
-
-        return load_command
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,50 @@
+"""Admin routes of the whole system: its status, and stopping or starting
+every model at once.
+
+- ``GET /api/v1/status`` → leader, nodes, replicas, model names,
+  ``model_replicas`` (per model ``{"name", "wanted", "ready", "starting",
+  "failed", "stopped", "external"}``), ``serving`` (``{"stopped"}``) and
+  ``settings_version`` (:func:`llmgw.admin.views.status_view`);
+- ``POST /api/v1/system/stop`` / ``start`` set or clear the setting
+  ``serving.stopped`` → ``{"stopped", "changed", "version"}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart_trio import QuartTrio
+
+from llmgw.control.cluster import Cluster
+from llmgw.control.live import LiveSettings
+from llmgw.settings import with_key
+
+from .inputs import actor
+from .views import status_view
+
+__all__ = ["add_system_routes"]
+
+
+def add_system_routes(app: QuartTrio, cluster: Cluster, live: LiveSettings) -> None:
+    """Add the routes of the module docstring to ``app``."""
+
+    @app.get("/api/v1/status")
+    async def status() -> Any:
+        return status_view(cluster, live.version)
+
+    async def set_stopped(stopped: bool) -> dict[str, Any]:
+        version, changed = await live.update(
+            lambda doc: with_key(doc, "serving.stopped", stopped),
+            actor=actor(),
+            note="llmgw stop" if stopped else "llmgw start",
+        )
+        cluster.poke()
+        return {"stopped": stopped, "changed": changed, "version": version}
+
+    @app.post("/api/v1/system/stop")
+    async def system_stop() -> Any:
+        return await set_stopped(True)
+
+    @app.post("/api/v1/system/start")
+    async def system_start() -> Any:
+        return await set_stopped(False)

@@ -1,0 +1,92 @@
+"""What the ``llmgw`` commands share: the ``--data-dir`` and ``--json``
+options, and how answers are printed (JSON, tables, times)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import click
+
+__all__ = [
+    "DEFAULT_DATA_DIR",
+    "ago",
+    "data_dir_option",
+    "format_table",
+    "json_option",
+    "path_part",
+    "print_json",
+    "utc_time",
+]
+
+#: Where the store, weights and admin key live unless ``--data-dir`` or
+#: ``$LLMGW_DATA_DIR`` says otherwise.
+DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "llmgw"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def data_dir_option() -> Callable[[F], F]:
+    """``--data-dir`` (passed as ``data_dir``, a :class:`~pathlib.Path`)."""
+    return click.option(
+        "--data-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=lambda: Path(os.environ.get("LLMGW_DATA_DIR", str(DEFAULT_DATA_DIR))),
+        show_default="$LLMGW_DATA_DIR or ~/.local/share/llmgw",
+        help="Where the store, weights and admin key live.",
+    )
+
+
+def json_option() -> Callable[[F], F]:
+    """``--json`` (passed as ``as_json``): print the answer as JSON."""
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+def print_json(doc: Any) -> None:
+    """``doc`` as indented JSON, keys sorted, on stdout."""
+    click.echo(json.dumps(doc, indent=2, sort_keys=True))
+
+
+def path_part(name: str) -> str:
+    """``name`` quoted to be one segment of an admin API path."""
+    return quote(name, safe="")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell, two spaces apart; the last column
+    is not padded. ``None`` prints as ``-``."""
+    cells = [[("-" if c is None else str(c)) for c in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for at, cell in enumerate(row):
+            widths[at] = max(widths[at], len(cell))
+    lines = []
+    for row in [list(headers), *cells]:
+        padded = [cell.ljust(widths[at]) for at, cell in enumerate(row[:-1])]
+        lines.append("  ".join([*padded, row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def ago(at: float | None) -> str:
+    """How long ago the epoch time ``at`` was (``42s ago``, ``5m ago``, …);
+    ``-`` for none."""
+    if not at:
+        return "-"
+    seconds = max(0.0, dt.datetime.now(dt.UTC).timestamp() - at)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h ago"
+    return f"{seconds / 86400:.0f}d ago"
+
+
+def utc_time(at: float) -> str:
+    """The epoch time ``at`` as ``YYYY-MM-DD HH:MM:SS`` (UTC)."""
+    return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")

@@ -1,0 +1,124 @@
+"""The admin API's one error shape: every error of :mod:`llmgw.errors` a
+route raises, and quart's own 404, 405 and 500, answer
+``{"error": {"message", "type", "code", "param"}}`` with the status the tree
+gives it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from llmgw import errors
+from llmgw.admin.errors import BadRequest, Clash, NoSuch, NotAdmin, answer_for
+from llmgw.auth.keys import KeyRefused
+from llmgw.control.catalog import CatalogError
+from llmgw.control.model_ops import ModelChangeError
+from llmgw.settings import SettingsError
+from llmgw.store import Conflict
+
+if TYPE_CHECKING:
+    from tests.admin.conftest import Admin
+
+
+def _error(message: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"message": message, "type": "invalid_request_error", "code": code, "param": param}
+
+
+def _server_error(message: str, code: str | None = None) -> dict[str, Any]:
+    return {"message": message, "type": "server_error", "code": code, "param": None}
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "error"),
+    [
+        (
+            SettingsError("router.nope: no such setting"),
+            400,
+            _error("Settings not valid: router.nope: no such setting", "invalid_settings"),
+        ),
+        (CatalogError(["engine: unknown", "slots: 0"]), 400, _error("engine: unknown; slots: 0", "invalid_model")),
+        (errors.InvalidInput("'last' is bad"), 400, _error("'last' is bad")),
+        (BadRequest("ttl: soon", code="invalid_ttl", param="ttl"), 400, _error("ttl: soon", "invalid_ttl", "ttl")),
+        (ModelChangeError("too long", param="tokens"), 400, _error("too long", param="tokens")),
+        (errors.NotFound("No key 'k'."), 404, _error("No key 'k'.", "not_found")),
+        (NoSuch("No model 'm'.", code="model_not_found"), 404, _error("No model 'm'.", "model_not_found")),
+        (
+            Conflict("the settings are at version 3, not 2"),
+            409,
+            _error("the settings are at version 3, not 2; read it again and retry.", "conflict"),
+        ),
+        (Clash("A model 'm' is already in the catalog.", code="model_exists"), 409, _error("A model 'm' is already in the catalog.", "model_exists")),
+        (errors.Refused("not allowed"), 403, _error("not allowed", "refused")),
+        (KeyRefused("Incorrect API key provided."), 401, _error("Incorrect API key provided.", "invalid_api_key")),
+        (NotAdmin("This key is not an admin key."), 403, _error("This key is not an admin key.", "forbidden")),
+        (
+            errors.StoreError("database is locked"),
+            503,
+            _server_error("The store cannot be reached: database is locked", "store_unavailable"),
+        ),
+        (errors.UpstreamError("Node 'n1' did not answer within 10 s."), 504, _server_error("Node 'n1' did not answer within 10 s.")),
+        (errors.LlmgwError("m removed, but its weights could not be deleted"), 500, _server_error("m removed, but its weights could not be deleted")),
+    ],
+)  # fmt: skip
+def test_each_error_of_the_tree_has_its_status_code_and_param(
+    exc: errors.LlmgwError, status: int, error: dict[str, Any]
+) -> None:
+    assert answer_for(exc) == (status, error)
+
+
+async def _raw(admin: Admin, method: str, path: str, key: str | None = None) -> tuple[int, Any]:
+    """The status and whole body of a call (with the admin key, unless ``key``)."""
+    secret = admin.secret if key is None else key
+    response = await admin.client.open(
+        path, method=method, headers={"authorization": f"Bearer {secret}"}
+    )
+    return response.status_code, await response.get_json()
+
+
+async def test_an_error_a_route_raises_is_answered_in_the_one_shape(admin: Admin) -> None:
+    assert await _raw(admin, "GET", "/api/v1/models/nope") == (
+        404,
+        {"error": _error("No model 'nope' in the catalog.", "model_not_found")},
+    )
+    assert await _raw(admin, "GET", "/api/v1/usage?last=0") == (
+        400,
+        {"error": _error("'last' must be between 1 and 10000.")},
+    )
+
+
+async def test_the_key_check_answers_in_the_one_shape(admin: Admin) -> None:
+    assert await _raw(admin, "GET", "/api/v1/keys", key="") == (
+        401,
+        {"error": _error("The admin API needs 'Authorization: Bearer <admin key>'.", "invalid_api_key")},
+    )  # fmt: skip
+    assert await _raw(admin, "GET", "/api/v1/keys", key="sk-llmgw-nope") == (
+        401,
+        {"error": _error("Incorrect API key provided.", "invalid_api_key")},
+    )
+
+
+async def test_an_unknown_route_a_wrong_method_and_a_bug_answer_in_the_one_shape(
+    admin: Admin,
+) -> None:
+    assert await _raw(admin, "GET", "/api/v1/nothing") == (
+        404,
+        {"error": _error("No route GET /api/v1/nothing.", "unknown_url")},
+    )
+    assert await _raw(admin, "DELETE", "/api/v1/status") == (
+        405,
+        {"error": _error("/api/v1/status does not take DELETE.", "method_not_allowed")},
+    )
+
+    @admin.app.get("/api/v1/broken")
+    async def broken() -> Any:
+        raise RuntimeError("a bug")
+
+    assert await _raw(admin, "GET", "/api/v1/broken") == (
+        500,
+        {
+            "error": _server_error(
+                "Internal error; the control plane's log says more.", "internal_error"
+            )
+        },
+    )

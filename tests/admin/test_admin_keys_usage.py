@@ -1,0 +1,199 @@
+"""The admin API's key, tree, limits and usage routes through quart's test
+client."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from llmgw.admin.usage import parse_since
+from llmgw.errors import InvalidInput
+from llmgw.store import UsageRow
+
+if TYPE_CHECKING:
+    from tests.admin.conftest import Admin
+
+
+KEY_FIELDS = {
+    "id", "name", "prefix", "project", "person", "band", "created_at", "is_admin",
+    "revoked_at", "expires_at", "limits",
+}  # fmt: skip
+
+
+async def test_a_key_is_made_in_a_project_listed_rotated_and_revoked(admin: Admin) -> None:
+    status, made = await admin.call("POST", "/api/v1/keys", {"name": "ci", "project": "A/b/c"})
+    assert status == 201, made
+    assert set(made) == KEY_FIELDS | {"key", "created"}
+    assert made["key"].startswith("sk-llmgw-")
+    assert (made["project"], made["person"], made["is_admin"]) == ("A/b/c", None, False)
+    assert made["created"] == ["org A", "team A/b", "project A/b/c"]
+    assert made["limits"] == {
+        "rpm": None,
+        "tpm": None,
+        "budget_day": None,
+        "budget_month": None,
+        "models": None,
+    }
+
+    _, listing = await admin.call("GET", "/api/v1/keys")
+    shown = {k["name"]: k for k in listing["data"]}
+    assert set(shown) == {"ops", "ci"}
+    assert "key" not in shown["ci"]
+    assert shown["ci"]["project"] == "A/b/c"
+
+    status, rotated = await admin.call("POST", f"/api/v1/keys/{made['id']}/rotate")
+    assert status == 200
+    assert rotated["key"] != made["key"]
+    status, body = await admin.call("POST", f"/api/v1/keys/{made['id']}/revoke")
+    assert (status, body) == (200, {"id": made["id"], "revoked": True})
+    status, body = await admin.call("POST", f"/api/v1/keys/{made['id']}/revoke")
+    assert (status, body["error"]["code"]) == (409, "already_revoked")
+    status, body = await admin.call("POST", f"/api/v1/keys/{made['id']}/rotate")
+    assert (status, body["error"]["code"]) == (409, "key_revoked")
+    status, body = await admin.call("POST", "/api/v1/keys/key_nope/rotate")
+    assert (status, body["error"]["code"]) == (404, "not_found")
+
+
+async def test_a_personal_key_has_a_person_and_no_project(admin: Admin) -> None:
+    status, made = await admin.call("POST", "/api/v1/keys", {"name": "ada", "person": "a@x.io"})
+    assert status == 201
+    assert (made["person"], made["project"], made["created"]) == ("a@x.io", None, [])
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (None, "Send a JSON object with 'name'"),
+        ({"name": "a", "colour": "red"}, "Unknown field(s) ['colour']."),
+        ({"name": " "}, "'name' is required"),
+        ({"name": "a", "project": "not a path"}, "is not ORG/TEAM/PROJECT"),
+        ({"name": "a", "project": "A/b/c", "person": "a@x.io"}, "not both"),
+        ({"name": "a", "person": "nobody"}, "'person' must be a sign-in address"),
+        ({"name": "a", "expires": "never"}, "'expires'"),
+    ],
+)
+async def test_a_bad_key_request_is_400_and_makes_nothing(
+    admin: Admin, body: dict[str, Any] | None, says: str
+) -> None:
+    status, doc = await admin.call("POST", "/api/v1/keys", body)
+    assert status == 400
+    assert says in doc["error"]["message"]
+    assert len(await admin.store.list_keys()) == 1
+
+
+async def test_the_only_live_admin_key_cannot_be_revoked(admin: Admin) -> None:
+    status, body = await admin.call("POST", f"/api/v1/keys/{admin.key_id}/revoke")
+    assert (status, body["error"]["code"]) == (409, "last_admin_key")
+
+
+async def test_the_tree_is_provisioned_once_and_limits_narrow_a_level(admin: Admin) -> None:
+    tree = {
+        "orgs": [
+            {
+                "name": "Acme",
+                "limits": {"rpm": 600, "budget_month": "25.50"},
+                "teams": [
+                    {"name": "ml", "projects": [{"name": "train", "keys": [{"name": "bot"}]}]}
+                ],
+            }
+        ]
+    }
+    status, first = await admin.call("POST", "/api/v1/tree", tree)
+    assert status == 200, first
+    assert first["created"] == ["org Acme", "team Acme/ml", "project Acme/ml/train"]
+    assert [(k["name"], k["project"]) for k in first["keys"]] == [("bot", "Acme/ml/train")]
+    _, again = await admin.call("POST", "/api/v1/tree", tree)
+    assert again == {"created": [], "keys": []}
+
+    _, listing = await admin.call("GET", "/api/v1/tree")
+    [path] = listing["data"]
+    assert path["path"] == "Acme/ml/train"
+    assert path["limits"]["org"]["budget_month"] == "25.5"
+    assert path["limits"]["org"]["rpm"] == 600
+
+    status, body = await admin.call(
+        "PUT", "/api/v1/limits/project/Acme/ml/train", {"tpm": 1000, "models": ["m"]}
+    )
+    assert status == 200, body
+    assert body["scope"] == "project"
+    assert body["limits"]["tpm"] == 1000
+    assert body["limits"]["models"] == ["m"]
+    status, body = await admin.call("PUT", "/api/v1/limits/team/Acme/nope", {"rpm": 1})
+    assert (status, body["error"]["code"]) == (404, "not_found")
+    status, body = await admin.call("PUT", "/api/v1/limits/org/Acme", {"rpm": -1})
+    assert status == 400
+    assert "'rpm' must be a whole number" in body["error"]["message"]
+    status, body = await admin.call("POST", "/api/v1/tree", {"orgz": []})
+    assert status == 400
+
+
+def _row(request_id: str, created_at: float, **fields: Any) -> UsageRow:
+    return UsageRow(
+        request_id=request_id,
+        created_at=created_at,
+        key_id="k1",
+        model="m",
+        status=200,
+        prompt_tokens=10,
+        completion_tokens=5,
+        cost_micros=1500,
+        **fields,
+    )
+
+
+async def test_usage_rows_one_request_and_sums(admin: Admin) -> None:
+    await admin.store.insert_usage([_row("req_1", 1.7e9), _row("req_2", 1.7e9 + 1, ttft_ms=9.5)])
+    status, body = await admin.call("GET", "/api/v1/usage?last=1")
+    assert status == 200
+    [newest] = body["data"]
+    assert newest["request_id"] == "req_2"
+    assert newest["ttft_ms"] == 9.5
+    status, one = await admin.call("GET", "/api/v1/requests/req_1")
+    assert (status, one["request_id"], one["cost_micros"]) == (200, "req_1", 1500)
+    status, body = await admin.call("GET", "/api/v1/requests/req_9")
+    assert status == 404
+    status, body = await admin.call("GET", "/api/v1/requests/nope")
+    assert status == 400
+
+    status, summary = await admin.call("GET", "/api/v1/usage/summary?by=model&since=2020-01-01")
+    assert status == 200, summary
+    assert summary["by"] == "model"
+    [group] = summary["data"]
+    assert (group["name"], group["requests"], group["prompt_tokens"]) == ("m", 2, 20)
+    status, body = await admin.call("GET", "/api/v1/usage/summary?by=galaxy")
+    assert status == 400
+
+
+async def test_usage_exports_as_json_lines_and_csv(admin: Admin) -> None:
+    await admin.store.insert_usage([_row("req_1", 1.7e9), _row("req_2", 1.7e9 + 1)])
+    headers = {"authorization": f"Bearer {admin.secret}"}
+    response = await admin.client.get("/api/v1/usage/export?since=2020-01-01", headers=headers)
+    lines = (await response.get_data()).decode().splitlines()
+    assert [json.loads(line)["request_id"] for line in lines] == ["req_1", "req_2"]
+    response = await admin.client.get(
+        "/api/v1/usage/export?format=csv&since=2020-01-01", headers=headers
+    )
+    assert response.content_type == "text/csv"
+    header, *rows = (await response.get_data()).decode().splitlines()
+    assert header.startswith("request_id,created_at,key_id,model,status,")
+    assert [r.split(",")[0] for r in rows] == ["req_1", "req_2"]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("24h", 1_000_000 - 86400),
+        ("3600", 1_000_000 - 3600),  # a bare number is a duration in seconds
+        ("2026-01-01", 1767225600.0),
+        ("2026-01-01T01:00+01:00", 1767225600.0),
+    ],
+)
+def test_parse_since_reads_durations_and_dates(text: str, seconds: float) -> None:
+    assert parse_since(text, 1_000_000) == seconds
+
+
+def test_parse_since_refuses_anything_else_as_invalid_input() -> None:
+    with pytest.raises(InvalidInput, match="is not a time"):
+        parse_since("whenever", 0)
