@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from typing import Final, NamedTuple
 from urllib.parse import urlsplit
 
-from llmgw.control.cluster import Endpoint
 from llmgw.router.breaker import Breaker
+from llmgw.router.endpoint import Endpoint
 
 __all__ = ["CHECK_EVERY_S", "ExternalKeyFile", "ProviderKeys", "ProviderUrl", "parse_provider_url"]
 

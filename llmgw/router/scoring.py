@@ -56,7 +56,7 @@ from typing import Any, Final
 
 import orjson
 
-from llmgw.control.cluster import Endpoint
+from llmgw.router.endpoint import Endpoint
 
 __all__ = [
     "DEFAULT_TTFT_S",
