@@ -42,7 +42,7 @@ from .parse import MAX_BODY_BYTES
 from .recording import Recorder
 from .relay import Relay
 
-__all__ = ["MAX_BODY_BYTES", "Gateway", "GatewayCluster"]
+__all__ = ["Gateway", "GatewayCluster"]
 
 
 class GatewayCluster(ClusterView, Protocol):

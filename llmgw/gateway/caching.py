@@ -1,6 +1,7 @@
-"""The exact answer cache on the request path (``docs/api.md``, caching):
-when it applies to a request, a hit replayed as the client first got it,
-and a 200 answer kept. The cache itself is :mod:`llmgw.router.cache`."""
+"""The exact answer cache on the request path (``docs/api.md``, The exact
+answer cache): when it applies to a request, a hit replayed as the client
+first got it, and a 200 answer kept. The cache itself is
+:mod:`llmgw.router.cache`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Errors answered to clients: the one place where llmgw's errors take
-OpenAI's or Anthropic's shape (``docs/api.md``, errors).
+OpenAI's or Anthropic's shape (``docs/api.md``).
 
 OpenAI's shape, on every ``/v1`` route but ``/v1/messages``::
 

@@ -1,5 +1,5 @@
 """After a request: its metrics, the accountant settled, its usage row
-queued (``docs/api.md``, accounting). Synchronous: nothing here awaits."""
+queued. Synchronous: nothing here awaits."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Admission control: priority bands per model (``docs/architecture.md``,
-routing).
+"""Admission control: priority bands per model (``docs/api.md``,
+Admission bands).
 
 Each key belongs to a **band** (``KeyRecord.band``; "" = the default band).
 A band is the setting's :class:`~llmgw.settings.BandSettings`

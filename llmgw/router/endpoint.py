@@ -1,5 +1,5 @@
 """What the router sends requests to: a ready replica of ours, or one key of
-an outside provider (``docs/architecture.md``, routing).
+an outside provider (``docs/api.md``, Which replica answers).
 
 The control plane makes an :class:`Endpoint` for each READY replica (with
 the replica's engine key); :class:`~llmgw.router.external.ProviderKeys`

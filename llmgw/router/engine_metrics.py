@@ -1,4 +1,5 @@
-"""The engines' own metrics, scraped for the router (``docs/architecture.md``, routing).
+"""The engines' own metrics, scraped for the router (``docs/api.md``,
+Which replica answers).
 
 Every :data:`SCRAPE_EVERY_S` the control plane reads ``GET /metrics`` of
 each Ready replica with its engine key and keeps, on the replica's

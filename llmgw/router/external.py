@@ -1,4 +1,4 @@
-"""Outside-provider keys as endpoints (``shared/spec/outside-providers.md``).
+"""Outside-provider keys as endpoints (``docs/api.md``, Outside providers).
 
 A catalog model with ``source: external`` names a provider ``url`` (without
 ``/v1``) and one or more key files with weights. :class:`ProviderKeys` turns

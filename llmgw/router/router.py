@@ -1,5 +1,5 @@
 """Routing one request: which model and endpoint answer it, and what to do
-when an endpoint fails (``docs/architecture.md``, routing).
+when an endpoint fails (``docs/api.md``, Which replica answers).
 
 The gateway hands the router a resolved request — the catalog model, the
 key's band, the routing profile, the body and headers (for the session
