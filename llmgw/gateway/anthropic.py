@@ -1,5 +1,5 @@
 """Anthropic's Messages API (``POST /v1/messages``) over engines that speak
-OpenAI chat completions (``shared/spec/gateway-api.md``, Anthropic surface).
+OpenAI chat completions (``docs/api.md``, Anthropic surface).
 
 Sans-IO and pure: nothing here reads a socket or a clock.
 
@@ -10,7 +10,8 @@ Sans-IO and pure: nothing here reads a socket or a clock.
   Anthropic ``message``;
 - :class:`MessagesStream` turns the engine's OpenAI SSE bytes into
   Anthropic's event sequence as they arrive;
-- :func:`error_body` and :func:`error_event` give Anthropic's error shapes.
+- :func:`error_event` ends a broken stream in Anthropic's shape (the error
+  bodies are :mod:`llmgw.gateway.errors`'s).
 
 Usage: OpenAI counts cached prompt tokens *inside* ``prompt_tokens``;
 Anthropic reports cache reads *outside* ``input_tokens``. So an answer says
@@ -60,9 +61,7 @@ __all__ = [
     "MessagesStream",
     "chat_to_message",
     "engine_error",
-    "error_body",
     "error_event",
-    "error_type",
     "first_choice",
     "new_message_id",
     "request_to_chat",
@@ -498,41 +497,6 @@ def _tool_id() -> str:
 
 
 # -- errors -----------------------------------------------------------------------------
-
-_ERROR_TYPES: Final = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    502: "api_error",
-    503: "overloaded_error",
-    504: "api_error",
-    529: "overloaded_error",
-}
-
-
-def error_type(status: int) -> str:
-    """Anthropic's error ``type`` for an HTTP status: 400
-    ``invalid_request_error``, 401 ``authentication_error``, 403
-    ``permission_error``, 404 ``not_found_error``, 413 ``request_too_large``,
-    429 ``rate_limit_error``, 503 and 529 ``overloaded_error``, other 5xx
-    ``api_error``, other 4xx ``invalid_request_error``."""
-    kind = _ERROR_TYPES.get(status)
-    if kind is not None:
-        return kind
-    return "api_error" if status >= 500 else "invalid_request_error"
-
-
-def error_body(status: int, message: str) -> bytes:
-    """Anthropic's error document, ``{"type": "error", "error": {"type",
-    "message"}}``, as JSON bytes; the type follows :func:`error_type`."""
-    return orjson.dumps(
-        {"type": "error", "error": {"type": error_type(status), "message": message}}
-    )
 
 
 def error_event(type: str, message: str) -> bytes:

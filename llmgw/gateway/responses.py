@@ -1,5 +1,5 @@
 """OpenAI's Responses API (``POST /v1/responses``) over engines that speak
-chat completions (``shared/spec/gateway-api.md``, Endpoints).
+chat completions (``docs/api.md``).
 
 Stateless: no response is stored, so ``previous_response_id`` is refused
 and every request carries its whole conversation in ``input``.

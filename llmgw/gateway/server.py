@@ -22,21 +22,19 @@ then whatever is left is cancelled.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import h11
 import trio
 
+from llmgw.asgi import Message, Receive, Scope, Send
+
 __all__ = ["serve_http1"]
 
 log = logging.getLogger("llmgw.http")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-App = Callable[
-    [Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]
-]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 READ_SIZE: Final = 65536
 #: Largest request head, in bytes; a larger one gets 431-ish refusal (h11: 400).
@@ -47,10 +45,6 @@ FIRST_REQUEST_TIMEOUT_S: Final = 30.0
 BODY_READ_TIMEOUT_S: Final = 30.0
 #: An idle keep-alive connection is closed after this, in seconds.
 KEEP_ALIVE_TIMEOUT_S: Final = 75.0
-
-
-class _ClientGone(Exception):
-    pass
 
 
 class _Connection:

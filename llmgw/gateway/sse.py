@@ -5,7 +5,7 @@ get back the bytes to send the client (every complete event in hand, joined
 into one write), and read the usage and timing it saw. It
 
 - keeps the engine's final ``usage`` (also when that chunk still carries
-  ``choices``, ``shared/spec/gateway-api.md``, Streaming);
+  ``choices``, ``docs/api.md``);
 - drops the usage-only chunk when the client did not ask for usage (the
   gateway always asks the engine for it);
 - counts content chunks, the fallback when an engine sends no usage.

@@ -1,8 +1,7 @@
 """Pooled keep-alive HTTP/1.1 connections to engines, O(1) per request.
 
 A relay through httpx's shared pool spent 55 % of its CPU in the pool, which
-scans every pooled connection on each request (``shared/design/
-ARCHITECTURE.md``, the client request path). Here each endpoint has its own
+scans every pooled connection on each request (``docs/performance.md``). Here each endpoint has its own
 :class:`UpstreamPool`: idle connections wait in a deque; a request takes the
 most recently used one (or dials a new one) and gives it back when the
 answer has been read to its end. Nothing is ever scanned.
@@ -32,6 +31,8 @@ from typing import Final, Protocol, cast
 import h11
 import trio
 
+from llmgw import errors
+
 __all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "default_ssl_context"]
 
 #: Idle connections kept per endpoint; more are closed when given back.
@@ -42,7 +43,7 @@ READ_SIZE: Final = 65536
 MAX_HEAD_BYTES: Final = 64 * 1024
 
 
-class UpstreamError(Exception):
+class UpstreamError(errors.UpstreamError):
     """The engine could not be reached, or broke the HTTP exchange.
 
     Attributes:
@@ -347,7 +348,7 @@ class UpstreamPool:
             trio.lowlevel.spawn_system_task(_close, connection)
 
 
-class _Stale(Exception):
+class _Stale(errors.UpstreamError):
     """A connection failed before any answer arrived."""
 
 

@@ -1,9 +1,11 @@
-"""Admission control: priority bands per model (``shared/spec/routing.md``,
-admission control).
+"""Admission control: priority bands per model (``docs/api.md``,
+Admission bands).
 
 Each key belongs to a **band** (``KeyRecord.band``; "" = the default band).
-A band has a priority and a **saturation** threshold: the share of the
-model's slots it may fill. Our defaults (:data:`DEFAULT_BANDS`):
+A band is the setting's :class:`~llmgw.settings.BandSettings`
+(``router.admission.bands``): a priority and a **saturation** threshold,
+the share of the model's slots it may fill. Our defaults
+(:data:`llmgw.settings.DEFAULT_BANDS`):
 
 =============  ========  ==========  =========
 band           priority  saturation  queue_ttl
@@ -46,26 +48,22 @@ a handful. Runs on the trio thread; nothing here locks.
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from itertools import count
-from typing import Any, Final
+from typing import Final
 
-import attrs
 import trio
 
-from llmgw.settings import parse_duration_s
+from llmgw import errors
+from llmgw.settings import DEFAULT_BANDS, BandSettings
 
 __all__ = [
-    "DEFAULT_BANDS",
     "DEFAULT_BAND_NAME",
     "Admission",
     "AdmissionTimeout",
-    "Band",
     "Ticket",
-    "parse_bands",
 ]
 
 log = logging.getLogger("llmgw.router")
@@ -74,122 +72,27 @@ log = logging.getLogger("llmgw.router")
 RETRY_AFTER_MIN_S: Final = 1.0
 RETRY_AFTER_MAX_S: Final = 60.0
 
-
-def _share(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not 0 < value <= 1:
-        raise ValueError(f"{attribute.name} must be above 0 and at most 1, got {value!r}")
-
-
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0 or math.isinf(value):
-        raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
-
-
-@attrs.frozen(kw_only=True)
-class Band:
-    """An admission band.
-
-    Attributes:
-        name: what keys name (``--band bulk``).
-        priority: higher goes first.
-        saturation: share of the model's total slots requests of this band
-            may fill, counting every band's requests in use; 0 < x ≤ 1.
-        queue_ttl_s: longest wait for a slot, in seconds, before
-            :class:`AdmissionTimeout`.
-    """
-
-    name: str
-    priority: int
-    saturation: float = attrs.field(validator=_share)
-    queue_ttl_s: float = attrs.field(validator=_positive)
-
-
-#: The bands when ``router.admission.bands`` is not set (module docstring).
-DEFAULT_BANDS: Final = (
-    Band(name="interactive", priority=100, saturation=1.0, queue_ttl_s=30.0),
-    Band(name="bulk", priority=10, saturation=0.5, queue_ttl_s=300.0),
-)
 #: The band of keys whose band is "" (or names a band no longer defined).
 DEFAULT_BAND_NAME: Final = "interactive"
 
-_BAND_KEYS: Final = frozenset({"name", "priority", "saturation", "queue_ttl"})
 
-
-def parse_bands(value: Any) -> tuple[Band, ...]:
-    """Bands from the ``router.admission.bands`` setting.
-
-    ``value``: ``None`` (the defaults, :data:`DEFAULT_BANDS`) or a non-empty
-    list of mappings ``{name, priority, saturation, queue_ttl}``: ``name`` a
-    non-empty string, unique; ``priority`` a whole number; ``saturation`` a
-    number, 0 < x ≤ 1 (default 1.0); ``queue_ttl`` seconds or a duration
-    string such as ``"30s"``, ``"5m"`` (default 30 s).
-
-    Raises:
-        ValueError: anything else; the message names the entry and field.
-    """
-    if value is None:
-        return DEFAULT_BANDS
-    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
-        raise ValueError("router.admission.bands must be a list of {name, priority, …}")
-    if not value:
-        raise ValueError("router.admission.bands must name at least one band")
-    bands: list[Band] = []
-    names: set[str] = set()
-    for i, entry in enumerate(value):
-        where = f"router.admission.bands[{i}]"
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"{where} must be a mapping {{name, priority, saturation, queue_ttl}}")
-        unknown = set(entry) - _BAND_KEYS
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
-                "a band has name, priority, saturation, queue_ttl"
-            )
-        name = entry.get("name")
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError(f"{where}.name must be a non-empty string")
-        name = name.strip()
-        where = f"router.admission.bands[{i}] ({name})"
-        if name in names:
-            raise ValueError(f"{where}: the band {name!r} is defined twice")
-        names.add(name)
-        priority = entry.get("priority")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"{where}.priority must be a whole number, got {priority!r}")
-        saturation = entry.get("saturation", 1.0)
-        if isinstance(saturation, bool) or not isinstance(saturation, int | float):
-            raise ValueError(f"{where}.saturation must be a number, got {saturation!r}")
-        if not 0 < saturation <= 1:
-            raise ValueError(f"{where}.saturation must be above 0 and at most 1, got {saturation}")
-        try:
-            queue_ttl_s = parse_duration_s(entry.get("queue_ttl", 30.0))
-        except ValueError as exc:
-            raise ValueError(f"{where}.queue_ttl: {exc}") from None
-        if queue_ttl_s <= 0 or math.isinf(queue_ttl_s):
-            raise ValueError(f"{where}.queue_ttl must be a positive duration")
-        bands.append(
-            Band(
-                name=name,
-                priority=priority,
-                saturation=float(saturation),
-                queue_ttl_s=queue_ttl_s,
-            )
-        )
-    return tuple(bands)
-
-
-class AdmissionTimeout(Exception):
-    """A request waited its band's ``queue_ttl`` for a slot.
+class AdmissionTimeout(errors.Refused):
+    """A request waited its band's ``queue_ttl`` for a slot: 504
+    ``queue_timeout``; the message is for the client.
 
     Attributes:
-        retry_after_s: what to put in ``Retry-After``: the band's
+        retry_after_s: whole seconds for ``Retry-After``: the band's
             ``queue_ttl`` bounded to 1 … 60 s.
         model, band: where it waited.
     """
 
+    status = 504
+    code = "queue_timeout"
+    type = "server_error"
+
     def __init__(self, retry_after_s: float, *, model: str = "", band: str = "") -> None:
-        super().__init__(f"no free slot for {model!r} within band {band!r}'s queue_ttl")
-        self.retry_after_s = retry_after_s
+        super().__init__(f"'{model}' is busy and this request waited its band's limit; retry.")
+        self.retry_after_s = max(1, round(retry_after_s))
         self.model = model
         self.band = band
 
@@ -197,7 +100,7 @@ class AdmissionTimeout(Exception):
 class _Waiter:
     __slots__ = ("admitted", "band", "event", "gone", "seq")
 
-    def __init__(self, band: Band, seq: int) -> None:
+    def __init__(self, band: BandSettings, seq: int) -> None:
         self.band = band
         self.seq = seq
         self.event = trio.Event()
@@ -213,7 +116,7 @@ class _Model:
         self.capacity = 0
         self.in_use = 0
         self.waiting = 0
-        #: Band name → its waiters in arrival order.
+        #: BandSettings name → its waiters in arrival order.
         self.queues: dict[str, deque[_Waiter]] = {}
 
 
@@ -249,32 +152,40 @@ class Admission:
     """Admission queues for every model (module docstring).
 
     Args:
-        bands: the bands (:func:`parse_bands`); their order does not matter.
+        bands: the bands (``router.admission.bands``); their order does
+            not matter.
 
     Raises:
-        ValueError: no bands, or two with one name.
+        ValueError: as :meth:`set_bands`.
     """
 
-    def __init__(self, bands: Sequence[Band] = DEFAULT_BANDS) -> None:
+    def __init__(self, bands: Sequence[BandSettings] = DEFAULT_BANDS) -> None:
         self._models: dict[str, _Model] = {}
         self._seq = count()
-        self._bands: dict[str, Band] = {}
+        self._bands: dict[str, BandSettings] = {}
         self._default = DEFAULT_BANDS[0]
         self._warned: set[str] = set()
         self.set_bands(bands)
 
     # --- settings ------------------------------------------------------------------
 
-    def set_bands(self, bands: Sequence[Band]) -> None:
+    def set_bands(self, bands: Sequence[BandSettings]) -> None:
         """Replace the bands. Requests already waiting keep their place; their
         threshold is their band's new one (or the old one, if the band is
         gone), and anyone the change lets in is admitted now.
 
         Raises:
-            ValueError: no bands, or two with one name.
+            ValueError: no bands, two with one name, or a ``queue_ttl`` that
+                is not a positive duration (the settings allow 0).
         """
         if not bands:
             raise ValueError("admission needs at least one band")
+        for band in bands:
+            if not band.queue_ttl > 0:
+                raise ValueError(
+                    f"band {band.name!r}: queue_ttl must be a positive duration, "
+                    f"got {band.queue_ttl!r}"
+                )
         by_name = {band.name: band for band in bands}
         if len(by_name) != len(bands):
             raise ValueError("two admission bands share a name")
@@ -284,7 +195,7 @@ class Admission:
         for state in self._models.values():
             self._dispatch(state)
 
-    def band(self, name: str) -> Band:
+    def band(self, name: str) -> BandSettings:
         """The band called ``name``; "" and names not defined give the
         default band (``interactive``, or the highest priority if the
         settings define no such band). An unknown name is logged once."""
@@ -344,7 +255,7 @@ class Admission:
         queue.append(waiter)
         state.waiting += 1
         try:
-            with trio.move_on_after(chosen.queue_ttl_s):
+            with trio.move_on_after(chosen.queue_ttl):
                 await waiter.event.wait()
         except BaseException:
             if waiter.admitted:
@@ -355,7 +266,7 @@ class Admission:
         if waiter.admitted:
             return Ticket(self, state, model)
         self._leave(state, waiter)
-        retry_after_s = min(max(chosen.queue_ttl_s, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
+        retry_after_s = min(max(chosen.queue_ttl, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
         raise AdmissionTimeout(retry_after_s, model=model, band=chosen.name)
 
     @asynccontextmanager
@@ -389,7 +300,7 @@ class Admission:
         return state
 
     @staticmethod
-    def _fits(state: _Model, band: Band) -> bool:
+    def _fits(state: _Model, band: BandSettings) -> bool:
         return state.capacity == 0 or state.in_use < state.capacity * band.saturation
 
     def _leave(self, state: _Model, waiter: _Waiter) -> None:
@@ -406,7 +317,7 @@ class Admission:
         """Admit the best fitting waiter (priority, then arrival) while one fits."""
         while state.waiting:
             best: _Waiter | None = None
-            best_band: Band | None = None
+            best_band: BandSettings | None = None
             for name, queue in state.queues.items():
                 while queue and queue[0].gone:
                     queue.popleft()

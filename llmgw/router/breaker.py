@@ -1,5 +1,5 @@
-"""A circuit breaker per endpoint (``shared/spec/routing.md``, retries and
-breakers; ``outside-providers.md``, several keys).
+"""A circuit breaker per endpoint (``docs/api.md``, Which replica answers;
+Outside providers).
 
 Our choice of the spec's open thresholds:
 

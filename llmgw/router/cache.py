@@ -1,4 +1,4 @@
-"""The exact answer cache (``shared/spec/caching.md``, exact answer cache).
+"""The exact answer cache (``docs/api.md``, The exact answer cache).
 
 :func:`cache_key` hashes what makes two requests the same question;
 :class:`AnswerCache` keeps answers exactly as the client received them, in

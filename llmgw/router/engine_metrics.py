@@ -1,8 +1,9 @@
-"""The engines' own metrics, scraped for the router (``shared/spec/routing.md``).
+"""The engines' own metrics, scraped for the router (``docs/api.md``,
+Which replica answers).
 
 Every :data:`SCRAPE_EVERY_S` the control plane reads ``GET /metrics`` of
 each Ready replica with its engine key and keeps, on the replica's
-:class:`~llmgw.control.cluster.Endpoint`, the free share of its KV cache
+:class:`~llmgw.router.endpoint.Endpoint`, the free share of its KV cache
 (``kv_free_ratio``), which the ``long-context`` profile ranks by. Outside
 providers are not scraped (the router counts their requests itself), and a
 replica whose metrics cannot be read keeps ``None`` ("unknown").
@@ -17,15 +18,21 @@ Metric names read, the first found wins (usage is a 0 to 1 share everywhere):
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Final, NoReturn
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Final, NoReturn, Protocol
 
 import httpx
 import trio
 
-from llmgw.control.cluster import Cluster, Endpoint
+from llmgw.router.endpoint import Endpoint
 
-__all__ = ["KV_USAGE_METRICS", "SCRAPE_EVERY_S", "kv_free_ratio", "serve_engine_metrics"]
+__all__ = [
+    "KV_USAGE_METRICS",
+    "SCRAPE_EVERY_S",
+    "HasEndpoints",
+    "kv_free_ratio",
+    "serve_engine_metrics",
+]
 
 log = logging.getLogger("llmgw.router.metrics")
 
@@ -70,6 +77,14 @@ def kv_free_ratio(text: str) -> float | None:
     return None
 
 
+class HasEndpoints(Protocol):
+    """What the scraper reads: every model's ready endpoints (the control
+    plane's ``Cluster`` is one)."""
+
+    @property
+    def endpoints(self) -> Mapping[str, Sequence[Endpoint]]: ...
+
+
 async def scrape_once(client: httpx.AsyncClient, endpoints: Iterable[Endpoint]) -> None:
     """Read every endpoint's metrics at once; each within :data:`SCRAPE_TIMEOUT_S`."""
 
@@ -94,7 +109,7 @@ async def scrape_once(client: httpx.AsyncClient, endpoints: Iterable[Endpoint]) 
 
 
 async def serve_engine_metrics(
-    cluster: Cluster, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    cluster: HasEndpoints, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> NoReturn:
     """Scrape the Ready replicas of ``cluster`` every :data:`SCRAPE_EVERY_S`
     until cancelled (module docstring)."""

@@ -1,4 +1,4 @@
-"""Outside-provider keys as endpoints (``shared/spec/outside-providers.md``).
+"""Outside-provider keys as endpoints (``docs/api.md``, Outside providers).
 
 A catalog model with ``source: external`` names a provider ``url`` (without
 ``/v1``) and one or more key files with weights. :class:`ProviderKeys` turns
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from typing import Final, NamedTuple
 from urllib.parse import urlsplit
 
-from llmgw.control.cluster import Endpoint
 from llmgw.router.breaker import Breaker
+from llmgw.router.endpoint import Endpoint
 
 __all__ = ["CHECK_EVERY_S", "ExternalKeyFile", "ProviderKeys", "ProviderUrl", "parse_provider_url"]
 

@@ -1,6 +1,5 @@
 """Choosing an endpoint for a request: the routing profiles
-(``shared/spec/routing.md``, scorers and routing profiles;
-``outside-providers.md``, several keys).
+(``docs/api.md``, Which replica answers; Outside providers).
 
 :func:`choose` picks one of a model's endpoints for a profile:
 
@@ -56,7 +55,7 @@ from typing import Any, Final
 
 import orjson
 
-from llmgw.control.cluster import Endpoint
+from llmgw.router.endpoint import Endpoint
 
 __all__ = [
     "DEFAULT_TTFT_S",

@@ -18,12 +18,11 @@ from llmgw.gateway.anthropic import (
     ChatChunkReader,
     MessagesStream,
     chat_to_message,
-    error_body,
     error_event,
     request_to_chat,
     tool_input,
 )
-from llmgw.gateway.errors import ApiError
+from llmgw.gateway.errors import ApiError, anthropic_error_body
 
 EVENTS: pydantic.TypeAdapter[anthropic.types.RawMessageStreamEvent] = pydantic.TypeAdapter(
     anthropic.types.RawMessageStreamEvent
@@ -543,7 +542,7 @@ def test_tool_arguments_that_are_not_a_json_object_keep_their_raw_text() -> None
     ],
 )
 def test_error_bodies_use_anthropics_shape_and_types(status: int, kind: str) -> None:
-    assert orjson.loads(error_body(status, "nope")) == {
+    assert orjson.loads(anthropic_error_body(status, "nope")) == {
         "type": "error",
         "error": {"type": kind, "message": "nope"},
     }

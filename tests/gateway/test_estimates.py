@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.gateway.app import estimate_prompt_tokens, estimate_tokens
+from llmgw.gateway.parse import estimate_prompt_tokens, estimate_tokens
 
 
 def _chat(content: str, **extra: object) -> dict[str, object]:

@@ -8,16 +8,15 @@ import pytest
 import trio
 import trio.testing
 
-from llmgw.router.admission import (
-    DEFAULT_BANDS,
-    Admission,
-    AdmissionTimeout,
-    Band,
-    Ticket,
-    parse_bands,
-)
+from llmgw.router.admission import Admission, AdmissionTimeout, Ticket
+from llmgw.settings import DEFAULT_BANDS, BandSettings, settings_from_doc
 
 # --- bands ---------------------------------------------------------------------------
+
+
+def _bands(value: Any) -> tuple[BandSettings, ...]:
+    """The bands of a settings document whose ``router.admission.bands`` is ``value``."""
+    return settings_from_doc({"router": {"admission": {"bands": value}}}).router.admission.bands
 
 
 def test_default_bands() -> None:
@@ -27,17 +26,17 @@ def test_default_bands() -> None:
         100,
         1.0,
     )
-    assert interactive.queue_ttl_s == 30.0
-    assert (bulk.name, bulk.priority, bulk.saturation, bulk.queue_ttl_s) == ("bulk", 10, 0.5, 300.0)
-    assert parse_bands(None) == DEFAULT_BANDS
+    assert interactive.queue_ttl == 30.0
+    assert (bulk.name, bulk.priority, bulk.saturation, bulk.queue_ttl) == ("bulk", 10, 0.5, 300.0)
+    assert settings_from_doc({}).router.admission.bands == DEFAULT_BANDS
     admission = Admission()
     assert admission.band("") is interactive
     assert admission.band("bulk") is bulk
     assert admission.band("vanished") is interactive
 
 
-def test_parse_bands_reads_durations_and_defaults() -> None:
-    bands = parse_bands(
+def test_bands_from_settings_read_durations_and_defaults() -> None:
+    bands = _bands(
         [
             {"name": "gold", "priority": 300, "saturation": 1, "queue_ttl": "1m"},
             {"name": "bulk", "priority": 10, "saturation": 0.25, "queue_ttl": 5},
@@ -45,9 +44,9 @@ def test_parse_bands_reads_durations_and_defaults() -> None:
         ]
     )
     assert bands == (
-        Band(name="gold", priority=300, saturation=1.0, queue_ttl_s=60.0),
-        Band(name="bulk", priority=10, saturation=0.25, queue_ttl_s=5.0),
-        Band(name="plain", priority=50, saturation=1.0, queue_ttl_s=30.0),
+        BandSettings(name="gold", priority=300, saturation=1.0, queue_ttl=60.0),
+        BandSettings(name="bulk", priority=10, saturation=0.25, queue_ttl=5.0),
+        BandSettings(name="plain", priority=50, saturation=1.0, queue_ttl=30.0),
     )
     # No "interactive" band: "" goes to the highest priority.
     assert Admission(bands).band("").name == "gold"
@@ -56,38 +55,39 @@ def test_parse_bands_reads_durations_and_defaults() -> None:
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("gold", "must be a list"),
-        ({"name": "gold"}, "must be a list"),
+        ("gold", r"router\.admission\.bands\[0\]"),
+        ({"name": "gold"}, r"router\.admission\.bands\[0\]"),
         ([], "at least one band"),
-        (["gold"], r"bands\[0\] must be a mapping"),
+        (["gold"], r"bands\[0\]"),
         ([{"priority": 1}], r"bands\[0\]\.name"),
-        ([{"name": "a", "priority": 1, "colour": "red"}], "unknown key.*colour"),
-        ([{"name": "a", "priority": "high"}], r"\(a\)\.priority must be a whole number"),
-        ([{"name": "a", "priority": True}], "priority must be a whole number"),
-        ([{"name": "a", "priority": 1, "saturation": 0}], "saturation must be above 0"),
-        ([{"name": "a", "priority": 1, "saturation": 1.5}], "saturation must be above 0"),
-        ([{"name": "a", "priority": 1, "saturation": "half"}], "saturation must be a number"),
+        ([{"name": "a", "priority": 1, "colour": "red"}], "Extra fields.*colour"),
+        ([{"name": "a", "priority": "high"}], r"bands\[0\]\.priority"),
+        ([{"name": "a", "priority": True}], r"bands\[0\]\.priority"),
+        ([{"name": "a", "priority": 1, "saturation": 0}], "saturation' must be > 0"),
+        ([{"name": "a", "priority": 1, "saturation": 1.5}], "saturation' must be <= 1"),
+        ([{"name": "a", "priority": 1, "saturation": "half"}], r"bands\[0\]\.saturation"),
         (
             [{"name": "a", "priority": 1, "queue_ttl": "soon"}],
-            "queue_ttl: 'soon' is not a duration",
+            r"'soon' is not a duration.*queue_ttl",
         ),
+        # The settings take 0; admission does not.
         ([{"name": "a", "priority": 1, "queue_ttl": 0}], "queue_ttl must be a positive"),
         (
             [{"name": "a", "priority": 1}, {"name": "a", "priority": 2}],
-            "defined twice",
+            "share a name",
         ),
     ],
 )
-def test_parse_bands_refuses_bad_values_naming_them(value: Any, message: str) -> None:
+def test_bad_bands_are_refused_naming_them(value: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        parse_bands(value)
+        Admission(_bands(value))
 
 
 def test_band_and_admission_validation() -> None:
     with pytest.raises(ValueError, match="saturation"):
-        Band(name="x", priority=1, saturation=0.0, queue_ttl_s=1.0)
-    with pytest.raises(ValueError, match="queue_ttl_s"):
-        Band(name="x", priority=1, saturation=1.0, queue_ttl_s=0.0)
+        BandSettings(name="x", priority=1, saturation=0.0, queue_ttl=1.0)
+    with pytest.raises(ValueError, match="queue_ttl"):
+        Admission([BandSettings(name="x", priority=1, saturation=1.0, queue_ttl=0.0)])
     with pytest.raises(ValueError, match="at least one band"):
         Admission([])
     with pytest.raises(ValueError, match="share a name"):
@@ -282,7 +282,10 @@ async def test_changing_bands_admits_whom_the_new_thresholds_allow(
             await trio.testing.wait_all_tasks_blocked()
         assert rec.admitted == ["b0", "b1"]
         admission.set_bands(
-            [DEFAULT_BANDS[0], Band(name="bulk", priority=10, saturation=0.75, queue_ttl_s=300.0)]
+            [
+                DEFAULT_BANDS[0],
+                BandSettings(name="bulk", priority=10, saturation=0.75, queue_ttl=300.0),
+            ]
         )
         await trio.testing.wait_all_tasks_blocked()
         assert rec.admitted == ["b0", "b1", "b2"]
@@ -294,8 +297,8 @@ async def test_a_higher_priority_band_held_by_its_own_threshold_does_not_block_o
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     bands = [
-        Band(name="gold", priority=300, saturation=0.5, queue_ttl_s=30.0),
-        Band(name="interactive", priority=100, saturation=1.0, queue_ttl_s=30.0),
+        BandSettings(name="gold", priority=300, saturation=0.5, queue_ttl=30.0),
+        BandSettings(name="interactive", priority=100, saturation=1.0, queue_ttl=30.0),
     ]
     admission = Admission(bands)
     async with trio.open_nursery() as nursery:

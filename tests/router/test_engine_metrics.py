@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from llmgw.control.cluster import Endpoint
 from llmgw.engines.testing import open_sim
+from llmgw.router.endpoint import Endpoint
 from llmgw.router.engine_metrics import kv_free_ratio, scrape_once
 
 

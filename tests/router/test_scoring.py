@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from llmgw.control.cluster import Endpoint
 from llmgw.router.breaker import BreakerState
+from llmgw.router.endpoint import Endpoint
 from llmgw.router.scoring import PROFILES, choose, session_key
 
 

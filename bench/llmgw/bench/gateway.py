@@ -35,9 +35,10 @@ from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver
-from llmgw.control.cluster import Cluster, Endpoint
+from llmgw.control.cluster import Cluster
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
+from llmgw.router.endpoint import Endpoint
 from llmgw.settings import Price
 from llmgw.store import ModelRecord, open_store
 from llmgw.store.records import Limits

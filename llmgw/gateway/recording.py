@@ -1,0 +1,96 @@
+"""After a request: its metrics, the accountant settled, its usage row
+queued. Synchronous: nothing here awaits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Container
+
+from llmgw import metrics
+from llmgw.accounting.accountant import Accountant
+from llmgw.accounting.usage import UsageWriter
+from llmgw.store import UsageRow
+
+from .request import Outcome, Request
+
+__all__ = ["Recorder"]
+
+
+class Recorder:
+    """Records finished requests.
+
+    Args:
+        usage: where usage rows go (queued, never awaited).
+        accountant: settles each request's reservation; ``None``: no limits.
+        accounting: write usage rows; off only for ``llmgw bench gateway``'s
+            ``bare`` mode.
+    """
+
+    def __init__(
+        self, *, usage: UsageWriter, accountant: Accountant | None, accounting: bool
+    ) -> None:
+        self._usage = usage
+        self._accountant = accountant
+        self._accounting = accounting
+
+    def record(self, request: Request, outcome: Outcome, catalog: Container[str]) -> None:
+        """Count ``request`` in the metrics (by its model when ``catalog``
+        has it, else unlabelled) with ``outcome.status``; with a key, settle
+        its reservation with ``outcome.usage`` (released when ``None``) and
+        queue its usage row with the cost."""
+        status = outcome.status
+        usage = outcome.usage
+        duration_s = time.perf_counter() - request.started
+        label = request.model if request.model in catalog else ""
+        served = outcome.served or label
+        ttft_s = outcome.ttft_s
+        metrics.REQUESTS.labels(label, str(status)).inc()
+        metrics.REQUEST_DURATION.labels(label).observe(duration_s)
+        if ttft_s is not None:
+            metrics.TTFT.labels(label).observe(ttft_s)
+        if usage is not None:
+            metrics.TOKENS.labels(label, "prompt").inc(usage.prompt_tokens)
+            metrics.TOKENS.labels(label, "cached").inc(usage.cached_tokens)
+            metrics.TOKENS.labels(label, "completion").inc(usage.completion_tokens)
+        key = request.key
+        if key is None or not self._accounting:
+            return
+        cost_micros = 0
+        reservation = request.reservation
+        if reservation is not None and self._accountant is not None:
+            now = time.time()
+            if usage is not None:
+                cost_micros = self._accountant.settle(
+                    reservation,
+                    prompt=usage.prompt_tokens,
+                    cached=usage.cached_tokens,
+                    completion=usage.completion_tokens,
+                    now=now,
+                    served_model=served or None,
+                )
+            else:
+                self._accountant.release(reservation, now)
+        project_id, team_id, org_id = request.scope_ids
+        self._usage.record(
+            UsageRow(
+                request_id=request.request_id,
+                created_at=time.time(),
+                key_id=key.id,
+                model=label or request.model[:200],
+                served_model=served if served != label else "",
+                status=status,
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                cached_tokens=usage.cached_tokens if usage else 0,
+                completion_tokens=usage.completion_tokens if usage else 0,
+                cost_micros=cost_micros,
+                duration_ms=round(duration_s * 1000, 3),
+                ttft_ms=None if ttft_s is None else round(ttft_s * 1000, 3),
+                replica_id=outcome.replica,
+                stream=request.stream,
+                endpoint=request.kind,
+                project_id=project_id,
+                team_id=team_id,
+                org_id=org_id,
+                cache_hit=outcome.cache_hit,
+            )
+        )

@@ -1,0 +1,400 @@
+"""Sending a routed request to its endpoint and the answer back to the
+client (``docs/api.md``; ``docs/performance.md`` for why it is built so).
+
+:meth:`Relay.forward` takes the attempts a :class:`~llmgw.router.router.Route`
+hands out and tells it each one's outcome: the router decides whether to
+try again. Each attempt goes out over a pooled keep-alive connection
+(:class:`~llmgw.gateway.upstream.UpstreamPool`) with the endpoint's own key
+(the client's ``Authorization`` never reaches an engine). The answer comes
+back as it came (the client's bytes sent on unchanged while they name the
+model served), translated for the Anthropic and Responses routes; a stream
+is relayed as it arrives, the events in hand joined into one write, and its
+usage read on the way (the engine is always asked for it). Deadlines:
+``router.timeouts.first_byte`` for the answer's head, ``generation`` for
+the whole answer (then cut, 504).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Final, Protocol
+
+import orjson
+import trio
+
+from llmgw.asgi import Send
+from llmgw.router.endpoint import Endpoint
+from llmgw.router.router import Attempt, Route
+from llmgw.settings import ServerSettings
+
+from . import anthropic, responses
+from .caching import CacheSlot, Caching
+from .errors import ApiError, engine_error, error_body, error_body_for
+from .http import JSON, NO_CACHE, SSE, answer
+from .request import Outcome, Request
+from .sse import SseRelay, Usage, usage_from
+from .upstream import UpstreamError, UpstreamPool, UpstreamResponse, default_ssl_context
+
+__all__ = ["UPSTREAM_PATH", "HasSettings", "Relay"]
+
+log = logging.getLogger("llmgw.gateway")
+
+#: Kind → the engine route it is sent to (Anthropic and Responses requests
+#: are translated to chat).
+UPSTREAM_PATH: Final = {
+    "chat": b"/v1/chat/completions",
+    "completions": b"/v1/completions",
+    "embeddings": b"/v1/embeddings",
+    "messages": b"/v1/chat/completions",
+    "responses": b"/v1/chat/completions",
+}
+
+_BROKEN_STREAM_EVENT: Final = (
+    b'data: {"error":{"message":"The replica answering broke off mid-answer; retry.",'
+    b'"type":"server_error","code":"upstream_error","param":null}}\n\n'
+)
+
+_CUT_STREAM_EVENT: Final = (
+    b'data: {"error":{"message":"The gateway is stopping; the answer was cut short. Retry.",'
+    b'"type":"server_error","code":"server_shutting_down","param":null}}\n\n'
+)
+
+
+class HasSettings(Protocol):
+    """Where the live settings are read (``router.timeouts``, per attempt)."""
+
+    @property
+    def settings(self) -> ServerSettings: ...
+
+
+class _StreamShape(Protocol):
+    """A streamed answer's relay or translator: engine SSE bytes in, client
+    bytes out (:class:`SseRelay`, :class:`anthropic.MessagesStream`,
+    :class:`responses.ResponsesStream`)."""
+
+    usage: Usage | None
+    content_chunks: int
+    #: The answer's end is in hand (``[DONE]``, or the translated end).
+    done: bool
+
+    def feed(self, data: bytes) -> bytes: ...
+    def finish(self) -> bytes: ...
+
+
+class Relay:
+    """Forwards requests to endpoints and relays their answers.
+
+    Args:
+        cluster: the live settings (timeouts).
+        caching: where 200 answers are kept, for requests with a cache slot.
+    """
+
+    def __init__(self, cluster: HasSettings, caching: Caching) -> None:
+        self._cluster = cluster
+        self._caching = caching
+        self._pools: dict[tuple[str, int, bool], UpstreamPool] = {}
+
+    def set_connect_timeout(self, seconds: float) -> None:
+        """A new ``router.timeouts.connect`` for every pool."""
+        for pool in self._pools.values():
+            pool.connect_timeout_s = seconds
+
+    async def aclose(self) -> None:
+        """Close the pooled connections."""
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            await pool.aclose()
+
+    async def forward(
+        self,
+        send: Send,
+        request: Request,
+        route: Route,
+        outcome: Outcome,
+        keep: CacheSlot | None,
+    ) -> None:
+        """Send ``request`` on the attempts of ``route`` until one answers the
+        client (good or not), filling in ``outcome``; a 200 answer is kept in
+        ``keep`` when given.
+
+        Raises:
+            NotReady: the route found nothing to send to.
+            ApiError: 502 ``upstream_error``: the last endpoint did not answer.
+        """
+        doc = request.doc
+        body = request.body
+        if request.stream and not request.pass_usage:
+            # Always ask the engine for the final usage; the relay keeps it
+            # from a client that did not ask.
+            options = doc.get("stream_options")
+            doc["stream_options"] = {**(options or {}), "include_usage": True}
+            body = None
+        # The client's own bytes go on while they name the model served.
+        body_for = doc["model"] if body is not None else None
+        while True:
+            attempt = await route.next()
+            upstream_model = attempt.upstream_model
+            if body is None or body_for != upstream_model:
+                doc["model"] = upstream_model
+                body, body_for = orjson.dumps(doc), upstream_model
+            outcome.served = attempt.model.name
+            if await self._attempt(send, request, route, attempt, outcome, body, keep):
+                return
+
+    def _pool(self, endpoint: Endpoint) -> UpstreamPool:
+        key = (endpoint.host, endpoint.port, endpoint.tls)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = UpstreamPool(
+                endpoint.host,
+                endpoint.port,
+                ssl_context=default_ssl_context() if endpoint.tls else None,
+                connect_timeout_s=self._cluster.settings.router.timeouts.connect,
+            )
+        return pool
+
+    async def _attempt(
+        self,
+        send: Send,
+        request: Request,
+        route: Route,
+        attempt: Attempt,
+        outcome: Outcome,
+        body: bytes,
+        keep: CacheSlot | None,
+    ) -> bool:
+        """One attempt. ``True`` when the client got an answer (good or
+        not); ``False`` when it failed before any byte was sent and the
+        route wants another attempt."""
+        endpoint = attempt.endpoint
+        path = endpoint.path_prefix.encode() + UPSTREAM_PATH[request.kind]
+        headers = [
+            (b"authorization", endpoint.authorization),
+            (b"content-type", b"application/json"),
+            (b"x-request-id", request.request_id.encode()),
+        ]
+        pool = self._pool(endpoint)
+        outcome.replica = endpoint.label
+        with attempt:
+            sent_at = time.perf_counter()
+            overhead_s = max(0.0, sent_at - request.started - route.waited_s)
+            timeouts = self._cluster.settings.router.timeouts
+            try:
+                with trio.fail_after(timeouts.first_byte):
+                    response = await pool.request(b"POST", path, headers, body)
+                head_s = time.perf_counter() - sent_at
+            except (UpstreamError, trio.TooSlowError) as exc:
+                if route.unreachable(attempt, exc):
+                    return False
+                raise ApiError(
+                    502,
+                    f"The replica serving '{request.model}' did not answer; retry.",
+                    type="server_error",
+                    code="upstream_error",
+                ) from exc
+            async with response:
+                status = response.status
+                if status != 200 and route.turned_away(
+                    attempt, status, response.header(b"retry-after")
+                ):
+                    return False
+                with trio.move_on_after(timeouts.generation) as generation:
+                    await self._relay(send, request, outcome, endpoint, response, overhead_s, keep)
+                if generation.cancelled_caught:
+                    log.warning(
+                        "%s: generation over %.0f s; cut", endpoint.label, timeouts.generation
+                    )
+                    outcome.finish(504)
+                ttft_s = outcome.ttft_s
+                if ttft_s is None and not request.stream and status == 200:
+                    # A whole answer's head comes after its generation: the
+                    # replicas of one model see the same mix of requests, so
+                    # this still ranks them by speed.
+                    ttft_s = head_s
+                route.answered(attempt, status, ttft_s)
+                return True
+
+    async def _relay(
+        self,
+        send: Send,
+        request: Request,
+        outcome: Outcome,
+        endpoint: Endpoint,
+        response: UpstreamResponse,
+        overhead_s: float,
+        keep: CacheSlot | None,
+    ) -> None:
+        status = response.status
+        extra = [
+            (b"x-request-id", request.request_id.encode()),
+            (b"x-llmgw-replica", endpoint.label.encode()),
+            (b"x-llmgw-overhead-ms", b"%.3f" % (overhead_s * 1000)),
+            *request.rate_headers,
+        ]
+        try:
+            if request.stream and status == 200:
+                await self._relay_stream(send, request, outcome, response, extra, keep)
+                return
+            data = await response.read()
+            content_type = (
+                b"content-type",
+                response.header(b"content-type") or b"application/json",
+            )
+            usage = None
+            kind = request.kind
+            if status == 200:
+                try:
+                    whole = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    whole = None
+                usage = usage_from(whole)
+                if kind == "messages" and isinstance(whole, dict):
+                    data = orjson.dumps(anthropic.chat_to_message(whole, request.client_model))
+                    content_type = JSON
+                elif kind == "responses" and isinstance(whole, dict):
+                    data = orjson.dumps(
+                        responses.chat_to_response(
+                            whole, request.client_model, request=request.client_doc
+                        )
+                    )
+                    content_type = JSON
+            elif status in (401, 403) and not endpoint.external:
+                # The engine refused the gateway's engine key: not the
+                # client's fault, and not to be shown as theirs.
+                log.error("replica %s refused the engine key", endpoint.label)
+                status = 502
+                data = error_body(
+                    "The replica refused the gateway; retry.",
+                    type="server_error",
+                    code="upstream_error",
+                )
+                content_type = JSON
+            elif status in (401, 403):
+                # The provider refused the key llmgw holds, and no other key
+                # was left to try: the 401 goes back, said so the caller does
+                # not take it for their own key.
+                message = (
+                    f"The outside provider of '{request.model}' refused the key llmgw holds "
+                    f"for it ({endpoint.label}); your own key is fine. Tell the administrator."
+                )
+                data = error_body_for(
+                    ApiError(
+                        status, message, type="upstream_auth_error", code="external_key_refused"
+                    ),
+                    kind,
+                )
+                content_type = JSON
+            else:
+                data = error_body_for(engine_error(status, data), kind)
+                content_type = JSON
+            outcome.finish(status)
+            outcome.usage = usage
+            await answer(send, status, data, extra, content_type=content_type)
+            if status == 200 and keep is not None:
+                self._caching.keep(keep, content_type[1], data, stream=False)
+        except UpstreamError as exc:
+            log.warning("answer from %s broke off: %s", endpoint.label, exc)
+            outcome.finish(502)
+
+    async def _relay_stream(
+        self,
+        send: Send,
+        request: Request,
+        outcome: Outcome,
+        response: UpstreamResponse,
+        headers: list[tuple[bytes, bytes]],
+        keep: CacheSlot | None,
+    ) -> None:
+        shape = _stream_shape(request)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [SSE, NO_CACHE, *headers],
+            }
+        )
+        kept: list[bytes] | None = [] if keep is not None else None
+        kept_bytes = 0
+        limit = self._caching.max_entry_bytes
+        try:
+            while chunk := await response.receive():
+                out = shape.feed(chunk)
+                if out:
+                    if outcome.ttft_s is None and shape.content_chunks:
+                        outcome.ttft_s = time.perf_counter() - request.started
+                    if shape.done:
+                        # The answer is complete once its end is on its way:
+                        # a client may close right after it got everything.
+                        outcome.finish(200)
+                    if kept is not None:
+                        kept_bytes += len(out)
+                        kept = kept if kept_bytes <= limit else None
+                        if kept is not None:
+                            kept.append(out)
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+            ended = shape.done
+            rest = shape.finish()
+            outcome.finish(200)
+            await send({"type": "http.response.body", "body": rest, "more_body": False})
+            if kept is not None and keep is not None and ended:
+                kept.append(rest)
+                self._caching.keep(keep, SSE[1], b"".join(kept), stream=True)
+        except UpstreamError:
+            # The engine broke off mid-answer. Say so in the stream (the openai
+            # client raises it as an APIError) and end the answer cleanly.
+            if not shape.done:
+                await send(
+                    {"type": "http.response.body", "body": _broken(request), "more_body": False}
+                )
+            outcome.finish(502)
+            raise
+        except trio.Cancelled:
+            # Cut short: the client left (then this is dropped), or the stop's
+            # grace ran out (then the client is told, not left with a torn stream).
+            if not shape.done:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    await send(
+                        {"type": "http.response.body", "body": _cut(request), "more_body": False}
+                    )
+            raise
+        finally:
+            # Counted even when the answer was cut short: the client is charged
+            # for what was generated, and for its prompt as estimated when the
+            # engine's own count never came.
+            usage = shape.usage
+            if usage is None and shape.content_chunks:
+                usage = Usage(
+                    prompt_tokens=request.prompt_estimate, completion_tokens=shape.content_chunks
+                )
+            outcome.usage = usage
+
+
+def _stream_shape(request: Request) -> _StreamShape:
+    if request.kind == "messages":
+        return anthropic.MessagesStream(
+            request.client_model,
+            anthropic.new_message_id(),
+            input_tokens=request.prompt_estimate,
+        )
+    if request.kind == "responses":
+        return responses.ResponsesStream(
+            request.client_model, responses.new_response_id(), request=request.client_doc
+        )
+    return SseRelay(pass_usage=request.pass_usage)
+
+
+def _broken(request: Request) -> bytes:
+    if request.kind == "messages":
+        return anthropic.error_event(
+            "api_error", "The replica answering broke off mid-answer; retry."
+        )
+    return _BROKEN_STREAM_EVENT
+
+
+def _cut(request: Request) -> bytes:
+    if request.kind == "messages":
+        return anthropic.error_event(
+            "overloaded_error", "The gateway is stopping; the answer was cut short. Retry."
+        )
+    return _CUT_STREAM_EVENT
