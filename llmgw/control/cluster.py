@@ -50,7 +50,7 @@ def engine_key(secret: bytes, replica_id: str) -> str:
     """The engine key of a replica: ``hex(HMAC-SHA256(secret, replica_id))``.
 
     Any control plane holding the cluster secret derives the same key, so
-    keys never travel between control planes (``shared/spec/security.md``).
+    keys never travel between control planes (``docs/up.md``, Engine keys).
     """
     return hmac.new(secret, replica_id.encode(), hashlib.sha256).hexdigest()
 

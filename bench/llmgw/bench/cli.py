@@ -25,6 +25,9 @@ import trio
 from .load import LoadConfig, run_load
 from .results import format_result
 
+#: ``--json`` (passed as ``as_json``), the same option as the product CLI's.
+_JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
 if TYPE_CHECKING:
     from .overhead import OverheadRow
 
@@ -51,7 +54,7 @@ def bench() -> None:
 @click.option(
     "--timeout-s", default=30.0, show_default=True, help="Deadline of each request, in seconds."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_JSON
 def load_command(
     url: str,
     key: str,
@@ -108,7 +111,7 @@ def load_command(
 @click.option("--duration-s", default=5.0, show_default=True, help="Measured seconds per run.")
 @click.option("--warmup-s", default=1.0, show_default=True, help="Unmeasured seconds per run.")
 @click.option("--no-pin", is_flag=True, help="Do not pin the gateway and the engine to cores.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_JSON
 def overhead_command(
     rates: str, modes: str, duration_s: float, warmup_s: float, no_pin: bool, as_json: bool
 ) -> None:
