@@ -44,6 +44,7 @@ from llmgw.errors import InvalidInput
 
 __all__ = [
     "DEFAULT_BANDS",
+    "ROUTING_PROFILES",
     "AdmissionSettings",
     "AuthSettings",
     "BandSettings",
@@ -182,9 +183,15 @@ def _duration_field(default: float | None) -> Any:
     return attrs.field(default=default, converter=attrs.converters.optional(parse_duration_s))
 
 
+#: The routing profiles (``router.scoring``, a model's ``routing``,
+#: ``x-llmgw-profile``); each has its scorer in ``llmgw.router.scoring``.
+ROUTING_PROFILES: Final = ("chat", "batch", "long-context")
+
+
 def _scoring_profile(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if value not in ("chat", "batch", "long-context"):
-        raise ValueError(f"{attribute.name}: {value!r} is not chat, batch or long-context")
+    if value not in ROUTING_PROFILES:
+        named = f"{', '.join(ROUTING_PROFILES[:-1])} or {ROUTING_PROFILES[-1]}"
+        raise ValueError(f"{attribute.name}: {value!r} is not {named}")
 
 
 def _longer_than_zero(_: object, attribute: attrs.Attribute[Any], value: float) -> None:

@@ -45,14 +45,13 @@ import yaml
 from llmgw import errors
 from llmgw.control.planning import ModelFacts, suggested_min_memory_gb, tp_fits_kv_heads
 from llmgw.engines.registry import check_args, check_env, get_adapter
-from llmgw.settings import parse_duration_s
+from llmgw.settings import ROUTING_PROFILES, parse_duration_s
 from llmgw.store._catalog_json import model_from_doc
 from llmgw.store.records import ModelRecord, Profile
 
 __all__ = [
     "MAX_NAME_LENGTH",
     "PICKLE_SUFFIXES",
-    "ROUTING_PROFILES",
     "CatalogError",
     "load_model_file",
     "parse_model",
@@ -63,8 +62,6 @@ __all__ = [
 MAX_NAME_LENGTH: Final = 128
 #: File suffixes of pickle-format weights (refused unless ``allow_pickle``).
 PICKLE_SUFFIXES: Final = (".bin", ".pt", ".pth", ".pkl", ".ckpt", ".pickle")
-#: The scoring profiles a model may use (routing.md).
-ROUTING_PROFILES: Final = ("chat", "batch", "long-context")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 _SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")

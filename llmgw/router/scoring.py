@@ -56,6 +56,7 @@ from typing import Any, Final
 import orjson
 
 from llmgw.router.endpoint import Endpoint
+from llmgw.settings import ROUTING_PROFILES
 
 __all__ = [
     "DEFAULT_TTFT_S",
@@ -67,7 +68,7 @@ __all__ = [
 ]
 
 #: The routing profiles (``x-llmgw-profile`` and the model setting).
-PROFILES: Final = frozenset({"chat", "batch", "long-context"})
+PROFILES: Final = frozenset(ROUTING_PROFILES)
 #: Points on the hash ring per unit of an endpoint's weight.
 VNODES_PER_WEIGHT: Final = 64
 #: Time to first token assumed when no candidate has been measured, in seconds.
