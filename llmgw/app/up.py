@@ -159,45 +159,48 @@ async def _run_locked(
                 await set_catalog(store, models, say)
                 cluster.poke()
                 write_run_file(data_dir, addresses)
-                token_path = write_agent_token(data_dir, addresses.agent_token)
-                say(
-                    f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
-                    f"metrics http://{addresses.metrics}/metrics"
-                )
-                async with trio.open_nursery() as agent:
-                    if options.agent:
-                        await agent.start(
-                            serve_agent,
-                            AgentConfig(
-                                server_url=f"ws://{addresses.agent_hub}/agent",
-                                token=addresses.agent_token,
-                                llamacpp_bin=options.llamacpp_bin,
-                                owns_engines=True,
-                                state_dir=data_dir / AGENT_STATE_DIR,
-                            ),
-                        )
-                    else:
-                        say(
-                            "no agent in this process (--no-agent); start one with:\n"
-                            f"  llmgw agent --server ws://{addresses.agent_hub}/agent "
-                            f"--token-file {shlex.quote(str(token_path))}"
-                        )
-                    agent.start_soon(
-                        _report_progress,
-                        cluster,
-                        models[0].name,
-                        addresses,
-                        data_dir / ADMIN_KEY_FILE,
-                        started,
-                        say,
+                # Removed however this ends, a second signal's hard stop included.
+                try:
+                    token_path = write_agent_token(data_dir, addresses.agent_token)
+                    say(
+                        f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
+                        f"metrics http://{addresses.metrics}/metrics"
                     )
-                    await stop.wait()
-                    with trio.move_on_after(options.grace_s + 5):
-                        await cp_done.wait()
-                    if options.agent:
-                        say("stopping the engines")
-                    agent.cancel_scope.cancel()
-            remove_run_file(data_dir)
+                    async with trio.open_nursery() as agent:
+                        if options.agent:
+                            await agent.start(
+                                serve_agent,
+                                AgentConfig(
+                                    server_url=f"ws://{addresses.agent_hub}/agent",
+                                    token=addresses.agent_token,
+                                    llamacpp_bin=options.llamacpp_bin,
+                                    owns_engines=True,
+                                    state_dir=data_dir / AGENT_STATE_DIR,
+                                ),
+                            )
+                        else:
+                            say(
+                                "no agent in this process (--no-agent); start one with:\n"
+                                f"  llmgw agent --server ws://{addresses.agent_hub}/agent "
+                                f"--token-file {shlex.quote(str(token_path))}"
+                            )
+                        agent.start_soon(
+                            _report_progress,
+                            cluster,
+                            models[0].name,
+                            addresses,
+                            data_dir / ADMIN_KEY_FILE,
+                            started,
+                            say,
+                        )
+                        await stop.wait()
+                        with trio.move_on_after(options.grace_s + 5):
+                            await cp_done.wait()
+                        if options.agent:
+                            say("stopping the engines")
+                        agent.cancel_scope.cancel()
+                finally:
+                    remove_run_file(data_dir)
         say("stopped")
         root.cancel_scope.cancel()
 

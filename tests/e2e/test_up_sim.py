@@ -598,3 +598,39 @@ def test_n_is_carried_to_an_engine_that_answers_n_choices_and_bad_n_is_refused(
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "n"
+
+
+def test_a_second_signal_stops_at_once_and_leaves_no_run_file(start_up: Any) -> None:
+    up = start_up(
+        "--engine",
+        "sim",
+        "--model-name",
+        MODEL,
+        "--engine-arg=--tokens-per-second",
+        "--engine-arg=20",
+        "--engine-arg=--tokens",
+        "--engine-arg=1000",
+    )
+    up.wait_ready()
+    client = up.openai_client()
+    try:
+        chunks = iter(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "x"}],
+                max_tokens=1000,
+                stream=True,
+            )
+        )
+        next(chunks)
+        up.process.send_signal(signal.SIGINT)
+        # A second signal later than the same Ctrl-C's echo: stop now, not
+        # after the grace (10 s) nor the 50 s stream.
+        time.sleep(2.5)
+        up.process.send_signal(signal.SIGINT)
+        up.process.wait(timeout=8)
+    finally:
+        client.close()
+    assert not (up.data_dir / "run.json").exists()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{up.base_url}/health", timeout=2)
