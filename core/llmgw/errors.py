@@ -34,8 +34,10 @@ The tree::
     └── StartupError           a process cannot start (a port taken, a bad
                                data directory, a model that will not load)
 
-Only ``LlmgwError`` and the classes directly under it live here; the leaves
-live beside the code that raises them.
+``LlmgwError``, the families under it and the link's two (``LinkClosed``,
+``ProtocolError``, raised by both ends) live here; the leaves live beside the
+code that raises them. The client API's own ``gateway.errors.ApiError``, an
+error already in the client's shape, derives from ``LlmgwError`` itself.
 """
 
 from __future__ import annotations

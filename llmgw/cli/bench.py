@@ -23,7 +23,8 @@ def _missing() -> None:
     """Benchmarks (not installed: they are the llmgw-bench workspace member)."""
     raise click.ClickException(
         "the benchmarks are in the llmgw-bench workspace member (bench/), which is not "
-        "installed here; 'uv sync' in a checkout of llmgw installs it (the dev environment)"
+        "installed here; 'python3 -m uv sync' in a checkout of llmgw installs it (the dev "
+        "environment, which 'python3 -m uv run' without --no-dev also uses)"
     )
 
 
