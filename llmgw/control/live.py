@@ -191,7 +191,7 @@ class LiveSettings:
             if expected_version is not None and expected_version != version:
                 raise Conflict(
                     f"the settings changed meanwhile: version {version} is live, not "
-                    f"{expected_version}; read them again"
+                    f"{expected_version}"
                 )
             try:
                 current_doc = settings_to_doc(settings_from_doc(current))
