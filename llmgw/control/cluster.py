@@ -677,11 +677,8 @@ class Cluster:
             if shard.ready_at is None or previous is not ShardState.READY:
                 shard.ready_at = self.now()
         elif state is ShardState.FAILED:
-            last = next(
-                (line.strip() for line in reversed(last_lines) if any(c.isalnum() for c in line)),
-                "",
-            )
-            shard.reason = f"{reason}; last output: {last}" if last else reason
+            # The agent's reason names the cause (or the last output line).
+            shard.reason = reason
             shard.last_lines = last_lines
         elif state is ShardState.STOPPED and reason:
             shard.reason = reason

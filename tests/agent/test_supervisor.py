@@ -6,7 +6,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ import trio
 
 from llmgw.agent.protocol import EngineProfile, ShardState, ShardStatus, StartShard
 from llmgw.agent.supervisor import Supervisor
-from llmgw.engines.base import Command, EngineAdapter, ShardLaunch
+from llmgw.engines.base import Command, EngineAdapter, ShardLaunch, error_line
 
 KEY = "sekrit-engine-key-4711"
 DEADLINE_S = 20
@@ -120,6 +120,9 @@ class StandIn:
 
     def metrics_path(self) -> str:
         return "/metrics"
+
+    def failure_cause(self, lines: Sequence[str]) -> str:
+        return error_line(lines)
 
     def commands(self, shard: ShardLaunch) -> list[Command]:
         args = (str(self.script), "--host", shard.bind_addr, "--port", str(shard.http_port))
@@ -327,7 +330,8 @@ async def test_exit_before_ready_fails_with_code(script: Path) -> None:
             )
             await expect(events, ShardState.STARTING)
             (failed,) = await expect(events, ShardState.FAILED)
-            assert failed.reason == "engine exited with code 3"
+            # The engine's own error line comes first (its adapter picks it).
+            assert failed.reason == "fatal: giving up (engine exited with code 3)"
             assert failed.last_lines[-1] == "fatal: giving up"
 
 

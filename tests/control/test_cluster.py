@@ -203,13 +203,15 @@ def test_failed_stays_failed_when_the_stop_is_reported() -> None:
     _register(cluster, "a")
     cluster.add_shard(_shard("m-0"))
     cluster.shard_status(
-        _status("m-0", ShardState.FAILED, reason="exited with code 1", last_lines=("x", "oom", "")),
+        _status(
+            "m-0", ShardState.FAILED, reason="oom (exited with code 1)", last_lines=("x", "oom", "")
+        ),
         "a",
     )
     cluster.shard_status(_status("m-0", ShardState.STOPPED), "a")
     shard = cluster.shards["m-0"]
     assert shard.state is ShardState.FAILED
-    assert shard.reason == "exited with code 1; last output: oom"
+    assert shard.reason == "oom (exited with code 1)"  # the agent's, as it wrote it
 
 
 def test_progress_and_compute_are_kept_from_reports() -> None:

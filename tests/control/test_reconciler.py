@@ -126,7 +126,7 @@ class FakeNode:
             self.report(
                 start.shard_id,
                 ShardState.FAILED,
-                reason="exited with code 1",
+                reason="error: out of memory (exited with code 1)",  # as an agent words it
                 last_lines=self.fail_with,
             )
             return
@@ -429,7 +429,7 @@ async def test_a_crash_loop_backs_off_1_2_4_8_s_and_never_shows_starting_between
         shard = cluster.shards["m-0"]
         assert shard.restarts == 5
         assert shard.state is ShardState.FAILED
-        assert shard.reason == "exited with code 1; last output: error: out of memory"
+        assert shard.reason == "error: out of memory (exited with code 1)"
         # Sampled every 0.1 s through the back-off: always FAILED.
         assert len(states) > 100
         assert set(states) == {ShardState.FAILED}

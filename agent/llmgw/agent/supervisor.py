@@ -27,6 +27,9 @@ log file and its last lines), :mod:`llmgw.agent.probes` (readiness probes),
 - a process that exits without having been asked to stop, or an engine that
   makes no progress (no output) and is not ready within the startup timeout,
   turns the shard FAILED with a one-line reason and its last output lines;
+  the reason starts with the engine's own error line, picked from its output
+  by its adapter (:meth:`~llmgw.engines.base.EngineAdapter.failure_cause`),
+  else ends with its last output line (``docs/up.md``, Failures);
 - a stop finds strays (descendants that left the group), SIGTERMs the group and
   the strays, waits up to 5 s polling every 100 ms, then SIGKILLs them, and
   reaps its children (:func:`~llmgw.agent.processes.stop_groups`);
@@ -63,7 +66,7 @@ from llmgw.agent.processes import STOP_GRACE_S
 from llmgw.agent.protocol import ShardState, ShardStatus
 from llmgw.agent.state import ProcRecord, ShardRecord, StateDir, boot_id
 from llmgw.agent.weights import DigestCache, HashProgress
-from llmgw.engines.base import EngineAdapter, ShardLaunch
+from llmgw.engines.base import EngineAdapter, ShardLaunch, error_line
 
 __all__ = [
     "COMPUTE_WATCH_S",
@@ -413,11 +416,28 @@ class Supervisor:
         self._state.remove(shard.shard_id, keep_log=True)
         shard.state = ShardState.FAILED
         shard.done.set()
+        reason = self._with_cause(shard, reason)
         log.warning("shard %s: %s", shard.shard_id, reason)
         last = shard.output.last_lines(FAILED_LAST_LINES)
         await self._emit(
             self._status(shard, reason=reason, last_lines=last, correlation_id=correlation_id)
         )
+
+    def _with_cause(self, shard: _Shard, what: str) -> str:
+        """A FAILED reason: the engine's cause from its output (its adapter's
+        ``failure_cause``) then ``(what)``; without one, ``what; last output:
+        LINE`` (the last line with a letter or digit), or ``what`` alone."""
+        lines = tuple(shard.output.lines)
+        try:
+            cause = self._adapter_for(shard.start.profile.engine).failure_cause(lines)
+        except (LookupError, ValueError):
+            cause = error_line(lines)
+        if cause:
+            return f"{cause} ({what})"
+        last = next(
+            (line.strip() for line in reversed(lines) if any(c.isalnum() for c in line)), ""
+        )
+        return f"{what}; last output: {last}" if last else what
 
     async def _spawn(self, shard: _Shard, cmd: protocol.StartShard) -> str:
         """Start ``shard``'s processes; the reason it could not, or ``""``."""
@@ -736,6 +756,7 @@ class Supervisor:
             return
         shard.ending = True
         shard.state = ShardState.FAILED
+        reason = self._with_cause(shard, reason)
         log.warning("shard %s: %s", shard.shard_id, reason)
         last = shard.output.last_lines(FAILED_LAST_LINES)
         # Clean up first: whoever hears FAILED may reuse the port and cards.

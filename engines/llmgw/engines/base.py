@@ -11,18 +11,23 @@ Rules every adapter keeps:
   the sim engine), never on the command line;
 - ``CUDA_VISIBLE_DEVICES`` comes from ``gpu_indices``;
 - a JSON health body whose ``status`` is one of :data:`NOT_READY_STATUSES`
-  means not ready, even with HTTP 200; a non-JSON body counts as ready.
+  means not ready, even with HTTP 200; a non-JSON body counts as ready;
+- :meth:`EngineAdapter.failure_cause` picks the engine's own error line
+  from its output, so a FAILED reason names the cause (``docs/up.md``,
+  Failures); :func:`error_line` is the generic picker it falls back to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+import re
+from collections.abc import Mapping, Sequence
+from typing import Final, Protocol
 
 import attrs
 import orjson
 
 __all__ = [
+    "MAX_CAUSE_CHARS",
     "NOT_READY_STATUSES",
     "Command",
     "EngineAdapter",
@@ -30,6 +35,8 @@ __all__ = [
     "body_says_ready",
     "cuda_visible_devices",
     "engine_env",
+    "error_line",
+    "short",
 ]
 
 #: Health ``status`` values that mean "not ready yet", even with HTTP 200.
@@ -39,6 +46,21 @@ NOT_READY_STATUSES = frozenset(
 
 #: The most of a health body that is read, in bytes.
 MAX_HEALTH_BODY_BYTES = 64 * 1024
+
+#: The longest cause a FAILED reason carries, in characters (longer is cut, with "…").
+MAX_CAUSE_CHARS: Final = 300
+
+#: Words that make an output line an error report (whole words, any case).
+_ERROR_WORDS: Final = re.compile(
+    r"\b(error|fatal|panic|failed|failure|cannot|can't|couldn't|could not|"
+    r"unable to|out of memory|no such file|permission denied|aborted|segmentation fault)\b",
+    re.IGNORECASE,
+)
+#: An HTTP access log line (``"POST /v1/… HTTP/1.1" 500 Internal Server Error``):
+#: a request's outcome, not the engine's.
+_ACCESS_LINE: Final = re.compile(r'HTTP/\d(?:\.\d)?" \d{3}\b')
+#: A Python exception line: ``OSError: [Errno 98] …``, ``ValueError: …``.
+_EXCEPTION_LINE: Final = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit): \S")
 
 
 @attrs.frozen(kw_only=True)
@@ -107,6 +129,14 @@ class EngineAdapter(Protocol):
         """The processes that run ``shard``; the key is in ``env`` only."""
         ...
 
+    def failure_cause(self, lines: Sequence[str]) -> str:
+        """The cause of a failed start or a death, from the engine's output
+        ``lines`` (oldest first), as one line in the engine's own words
+        (at most :data:`MAX_CAUSE_CHARS`); ``""`` when no line reports an
+        error. Adapters without engine-specific knowledge return
+        :func:`error_line`."""
+        ...
+
 
 def cuda_visible_devices(gpu_indices: tuple[int, ...]) -> str:
     """``CUDA_VISIBLE_DEVICES`` for ``gpu_indices``: ``"0,2"``; ``""`` (no card
@@ -146,3 +176,33 @@ def body_says_ready(body: bytes) -> bool:
         if isinstance(status, str) and status.lower() in NOT_READY_STATUSES:
             return False
     return True
+
+
+def short(text: str) -> str:
+    """``text`` stripped, cut to :data:`MAX_CAUSE_CHARS` characters (ending in ``…`` when cut)."""
+    text = text.strip()
+    if len(text) <= MAX_CAUSE_CHARS:
+        return text
+    return text[: MAX_CAUSE_CHARS - 1].rstrip() + "…"
+
+
+def error_line(lines: Sequence[str]) -> str:
+    """The generic cause picker: the first line of ``lines`` (oldest first)
+    that reports an error, stripped and cut (:func:`short`); ``""`` when none.
+
+    A line reports an error when it holds an error word (``error``,
+    ``failed``, ``cannot``, ``out of memory``, …). Indented lines (a
+    traceback's frames and source, continuations) and HTTP access lines (a
+    request's ``500 Internal Server Error``) are skipped; when a Python
+    traceback is in the output, its exception line (``OSError: …``) wins, as
+    it is the cause the frames lead to.
+    """
+    first = ""
+    for line in lines:
+        if not line or line[0].isspace() or _ACCESS_LINE.search(line):
+            continue
+        if _EXCEPTION_LINE.match(line):
+            return short(line)
+        if not first and _ERROR_WORDS.search(line):
+            first = line
+    return short(first)

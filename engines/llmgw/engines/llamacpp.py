@@ -8,6 +8,12 @@ which is llama.cpp's own C++ HTTP server inside this process, until SIGTERM
 or SIGINT.
 
 The key travels in ``LLAMA_API_KEY`` only, never on the command line.
+
+:meth:`LlamaCppAdapter.failure_cause` names why llama.cpp failed, from its
+output: llama.cpp's first error line (``0.00.003.560 E gguf_init_from_reader:
+invalid magic characters …``) becomes ``llama.cpp: failed to load model:
+invalid magic characters …``; the launcher's own errors (``llama.cpp
+launcher: error: …``) come next; then :func:`~llmgw.engines.base.error_line`.
 """
 
 from __future__ import annotations
@@ -15,21 +21,23 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
-from llmgw.engines.base import Command, ShardLaunch, engine_env
+from llmgw.engines.base import Command, ShardLaunch, engine_env, error_line, short
 
 __all__ = [
     "KEY_ENV",
     "STOP_TIMEOUT",
     "LlamaCppAdapter",
     "common_params",
+    "failure_cause",
     "main",
     "parse_args",
 ]
@@ -41,6 +49,23 @@ KEY_ENV = "LLAMA_API_KEY"
 STOP_TIMEOUT = 10.0
 
 _PREFIX = "llama.cpp launcher:"
+#: How the launcher's own error lines begin.
+_ERROR_PREFIX = f"{_PREFIX} error: "
+#: What the launcher says when ``xllamacpp.Server`` raised: llama.cpp's
+#: generic message; its error lines above say why.
+_DID_NOT_START = f"{_ERROR_PREFIX}the server did not start: "
+
+#: A llama.cpp log line at level E: ``0.00.003.560 E gguf_init_from_reader: msg``,
+#: ``0.00.003.787 E cmn  common_init_: msg``, ``… E srv    load_model: msg``
+#: (time, level, an optional short tag, the function, the message).
+_LLAMA_ERROR: Final = re.compile(
+    r"^\d+(?:\.\d+)+ E (?:[a-z]{2,5} +(?=\S+: ))?(?:(?P<func>[\w:~<>()]+): )?(?P<message>.*)$"
+)
+#: Functions whose error lines are about one request (``send_error: task id
+#: = 7, error: the request exceeds the available context size``), not the server.
+_REQUEST_ERRORS: Final = frozenset({"send_error"})
+#: Messages that say llama.cpp could not load the model file.
+_LOAD_FAILED: Final = re.compile(r"failed to load model|error loading model")
 
 
 # -- the adapter --------------------------------------------------------------
@@ -67,6 +92,10 @@ class LlamaCppAdapter:
 
     def metrics_path(self) -> str:
         return "/metrics"
+
+    def failure_cause(self, lines: Sequence[str]) -> str:
+        """See :func:`failure_cause`."""
+        return failure_cause(lines)
 
     def commands(self, shard: ShardLaunch) -> list[Command]:
         """One process: ``[bin, -m, model, --host, …, --port, …, --ctx-size, …,
@@ -104,13 +133,64 @@ class LlamaCppAdapter:
         return [Command(name="llama-server", path=self.python, args=args, env=env)]
 
 
+def failure_cause(lines: Sequence[str]) -> str:
+    """Why llama.cpp (a ``llama-server`` or the launcher) failed, from its
+    output ``lines`` (oldest first); ``""`` when no line reports an error.
+
+    In order: llama.cpp's first error line (level ``E``; one request's
+    ``send_error`` lines do not count) as ``llama.cpp: MESSAGE``, where a
+    model that did not load reads ``llama.cpp: failed to load model: WHY`` (``invalid magic characters: 'x???', expected
+    'GGUF'``, ``tensor '…' data is not within the file bounds, model is
+    corrupted or incomplete``); else the launcher's first error (``llama.cpp
+    launcher: error: unsupported flag(s) --x …``) other than its generic
+    "the server did not start"; else :func:`~llmgw.engines.base.error_line`
+    (a ``llama-server`` binary's ``error: invalid argument: --x``, a Python
+    traceback's exception). At most :data:`~llmgw.engines.base.MAX_CAUSE_CHARS`.
+    """
+    kept: list[str] = []  # without one request's errors
+    messages: list[str] = []  # llama.cpp's error messages
+    for line in lines:
+        m = _LLAMA_ERROR.match(line)
+        if m is None:
+            kept.append(line)
+        elif m["func"] not in _REQUEST_ERRORS:
+            kept.append(line)
+            messages.append(m["message"].strip())
+    if messages:
+        first = messages[0]
+        if any(_LOAD_FAILED.search(message) for message in messages):
+            first = first.removeprefix("error loading model: ")
+            if not _LOAD_FAILED.search(first):
+                first = f"failed to load model: {first}"
+        return short(f"llama.cpp: {first}")
+    for line in kept:
+        if line.startswith(_ERROR_PREFIX) and not line.startswith(_DID_NOT_START):
+            return short(line)
+    return error_line(kept)
+
+
 # -- the launcher --------------------------------------------------------------
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # argparse's signature is NoReturn
         self.print_usage(sys.stderr)
-        self.exit(2, f"{_PREFIX} {message}\n")
+        self.exit(2, f"{_ERROR_PREFIX}{message}\n")
+
+
+def _int32(text: str) -> int:
+    """An integer flag's value: llama.cpp holds them in 32-bit ints.
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or out of that range.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not -(2**31) <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"{value} is out of range (at most {2**31 - 1})")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,20 +203,20 @@ def _parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("-m", "--model", required=True, metavar="FILE", help="the GGUF file")
     add("--host", default="127.0.0.1")
-    add("--port", type=int, default=8080)
-    add("-c", "--ctx-size", type=int, default=4096, metavar="N", help="context, all slots")
-    add("-np", "--parallel", type=int, default=1, metavar="N", help="slots")
-    add("-t", "--threads", type=int, default=0, metavar="N", help="0: llama.cpp decides")
-    add("-tb", "--threads-batch", type=int, default=0, metavar="N", help="0: as --threads")
-    add("--threads-http", type=int, default=0, metavar="N")
-    add("-b", "--batch-size", type=int, default=0, metavar="N", help="0: llama.cpp's default")
-    add("-ub", "--ubatch-size", type=int, default=0, metavar="N", help="0: llama.cpp's default")
+    add("--port", type=_int32, default=8080)
+    add("-c", "--ctx-size", type=_int32, default=4096, metavar="N", help="context, all slots")
+    add("-np", "--parallel", type=_int32, default=1, metavar="N", help="slots")
+    add("-t", "--threads", type=_int32, default=0, metavar="N", help="0: llama.cpp decides")
+    add("-tb", "--threads-batch", type=_int32, default=0, metavar="N", help="0: as --threads")
+    add("--threads-http", type=_int32, default=0, metavar="N")
+    add("-b", "--batch-size", type=_int32, default=0, metavar="N", help="0: llama.cpp's default")
+    add("-ub", "--ubatch-size", type=_int32, default=0, metavar="N", help="0: llama.cpp's default")
     add("--metrics", action="store_true", help="serve /metrics")
     add("-a", "--alias", default="", metavar="NAME", help="the model name answers carry")
     add("--chat-template", default="", metavar="NAME")
     add("--jinja", dest="jinja", action="store_true", default=None)
     add("--no-jinja", dest="jinja", action="store_false")
-    add("-cram", "--cache-ram", type=int, default=None, metavar="MIB")
+    add("-cram", "--cache-ram", type=_int32, default=None, metavar="MIB")
     add("--embedding", "--embeddings", dest="embedding", action="store_true")
     add(
         "--pooling",
@@ -144,10 +224,10 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="how embeddings pool the tokens (OpenAI's API needs one other than none)",
     )
-    add("-ngl", "--gpu-layers", "--n-gpu-layers", type=int, default=None, metavar="N")
+    add("-ngl", "--gpu-layers", "--n-gpu-layers", type=_int32, default=None, metavar="N")
     add("--no-webui", action="store_true")
     add("--no-warmup", action="store_true")
-    add("-lv", "--verbosity", "--log-verbosity", type=int, default=None, metavar="N")
+    add("-lv", "--verbosity", "--log-verbosity", type=_int32, default=None, metavar="N")
     return parser
 
 
@@ -249,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     ns = parse_args(argv)
     if not Path(ns.model).is_file():
-        print(f"{_PREFIX} no model file {ns.model}", file=sys.stderr, flush=True)
+        print(f"{_ERROR_PREFIX}no model file {ns.model}", file=sys.stderr, flush=True)
         return 1
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     # Block the stop signals before llama.cpp starts its threads (they inherit
@@ -266,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server = xllamacpp.Server(params)
     except Exception as error:
-        print(f"{_PREFIX} the server did not start: {error}", file=sys.stderr, flush=True)
+        print(f"{_DID_NOT_START}{error}", file=sys.stderr, flush=True)
         return 1
     _say(f"listening on {server.listening_address}")
     signum = signal.sigwait(stop_signals)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import attrs
 
-from llmgw.engines.base import Command, ShardLaunch, engine_env
+from llmgw.engines.base import Command, ShardLaunch, engine_env, error_line
 from llmgw.engines.sim.config import KEY_ENV
 
 __all__ = ["SimAdapter"]
@@ -31,6 +32,10 @@ class SimAdapter:
 
     def metrics_path(self) -> str:
         return "/metrics"
+
+    def failure_cause(self, lines: Sequence[str]) -> str:
+        """The generic picker, :func:`~llmgw.engines.base.error_line`."""
+        return error_line(lines)
 
     def commands(self, shard: ShardLaunch) -> list[Command]:
         """``[python, -m, llmgw.engines.sim, --host, …, --port, …, --model, …,
