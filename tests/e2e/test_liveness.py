@@ -1,8 +1,8 @@
 """A replica whose engine hangs after READY (SIGSTOP: its port accepts,
 nothing answers) through ``llmgw up --engine sim``: its agent's liveness
 probes take it out of routing with a reason, the requests waiting on it are
-retried on the other replica, and it is READY again once it answers
-(``docs/catalog.md``, Replica states; ``docs/api.md``, Which replica answers).
+retried on the other replica, and it is READY again once it answers, or
+restarted when it stays silent past the agent's limit (``docs/catalog.md``, Replica states; ``docs/api.md``, Which replica answers).
 """
 
 from __future__ import annotations
@@ -125,3 +125,46 @@ def test_a_hung_replica_leaves_routing_its_requests_go_elsewhere_and_it_comes_ba
 
     up.wait_for(served_by_hang_0, 30, "a request answered by hang-0")
     assert (_replica(up, "hang-0") or {}).get("restarts", 0) == 0
+
+
+@pytest.mark.slow
+def test_a_replica_silent_past_the_limit_is_restarted(
+    up: Any, admin_request: Callable[..., httpx.Response], procs: Any
+) -> None:
+    """An engine that stays stopped (SIGSTOP) past the agent's 60 s limit is
+    stopped and restarted through the crash back-off: a new engine process
+    on the replica, READY, one restart counted."""
+    added = admin_request(
+        up,
+        "POST",
+        "/api/v1/models",
+        {
+            "name": "frozen",
+            "profiles": [{"name": "default", "engine": "sim", "min_memory_gb": 0.1}],
+        },
+    )
+    assert added.status_code == 201, added.text
+    up.wait_for(
+        lambda: (_replica(up, "frozen-0") or {}).get("state") == "READY", 60, "frozen-0 READY"
+    )
+    row = _replica(up, "frozen-0")
+    assert row is not None
+    (victim,) = procs.on_port(row["port"])
+    log_before = len(up.log())
+    os.kill(victim, signal.SIGSTOP)
+    try:
+
+        def restarted() -> dict[str, Any] | None:
+            found = _replica(up, "frozen-0")
+            ok = found is not None and found["state"] == "READY" and found["restarts"] >= 1
+            return found if ok else None
+
+        after = up.wait_for(restarted, 150, "frozen-0 restarted and READY")
+    finally:
+        if procs.start_time(victim) is not None:
+            os.kill(victim, signal.SIGCONT)
+    assert procs.start_time(victim) is None  # the stopped engine was killed
+    assert procs.on_port(after["port"]) != [victim]
+    log = up.log()[log_before:]
+    assert "not answering its health check for" in log, log
+    assert "(restarted after 60 s)" in log, log
