@@ -621,7 +621,11 @@ class Cluster:
         FAILED (the back-off goes on). A READY shard placed on cards whose
         engine reports no GPU (:func:`compute_lacks_gpu`) is failed here
         and stopped by the reconciler. STARTING with ``progress`` moves the
-        start deadline.
+        start deadline. STARTING from a READY shard (its engine stopped
+        answering its health check; ``reason`` says so) takes it out of the
+        endpoints, its attempts waiting for a first byte are retried
+        elsewhere (:meth:`Endpoint.lose`), and its start deadline counts
+        from then.
         """
         shard = self._shards.get(status.shard_id)
         if shard is None:
@@ -644,6 +648,12 @@ class Cluster:
         if status.state is ShardState.STARTING and status.progress:
             shard.progress = status.progress
             shard.progress_at = self.now()
+        if status.state is ShardState.STARTING and shard.state is ShardState.READY:
+            # Its engine stopped answering (the reason says so): out of
+            # routing now; the start deadline counts from here.
+            shard.progress_at = self.now()
+            shard.progress = status.progress  # not the last start's
+            log.warning("replica %s: %s", shard.replica_id, status.reason or "not ready")
         if status.state is ShardState.STOPPED and shard.state is ShardState.FAILED:
             self.poke()
             return
@@ -680,7 +690,10 @@ class Cluster:
             # The agent's reason names the cause (or the last output line).
             shard.reason = reason
             shard.last_lines = last_lines
-        elif state is ShardState.STOPPED and reason:
+        elif (state is ShardState.STOPPED and reason) or (
+            # STARTING again after READY: its engine stopped answering.
+            state is ShardState.STARTING and (reason or previous is ShardState.READY)
+        ):
             shard.reason = reason
         self._rebuild_endpoints()
 
@@ -706,6 +719,9 @@ class Cluster:
             kept[shard.replica_id] = ep
             if not shard.retiring:
                 endpoints.setdefault(shard.model, []).append(ep)
+        for replica_id, ep in old.items():
+            if kept.get(replica_id) is not ep:
+                ep.lose()  # its attempts still waiting for a first byte go elsewhere
         self._endpoint_of = kept
         self._endpoints = endpoints
 

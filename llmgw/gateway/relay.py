@@ -10,8 +10,9 @@ back as it came (the client's bytes sent on unchanged while they name the
 model served), translated for the Anthropic and Responses routes; a stream
 is relayed as it arrives, the events in hand joined into one write, and its
 usage read on the way (the engine is always asked for it). Deadlines:
-``router.timeouts.first_byte`` for the answer's head, ``generation`` for
-the whole answer (then cut, 504).
+``router.timeouts.first_byte`` for the answer's head (cut sooner, and
+tried elsewhere, when the replica leaves routing meanwhile), ``generation``
+for the whole answer (then cut, 504).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import trio
 
 from llmgw.asgi import Send
 from llmgw.router.endpoint import Endpoint
-from llmgw.router.router import Attempt, Route
+from llmgw.router.router import Attempt, EndpointLost, Route
 from llmgw.settings import ServerSettings
 
 from . import anthropic, responses
@@ -181,10 +182,10 @@ class Relay:
             overhead_s = max(0.0, sent_at - request.started - route.waited_s)
             timeouts = self._cluster.settings.router.timeouts
             try:
-                with trio.fail_after(timeouts.first_byte):
+                with attempt.waiting_first_byte(), trio.fail_after(timeouts.first_byte):
                     response = await pool.request(b"POST", path, headers, body)
                 head_s = time.perf_counter() - sent_at
-            except (UpstreamError, trio.TooSlowError) as exc:
+            except (UpstreamError, EndpointLost, trio.TooSlowError) as exc:
                 if route.unreachable(attempt, exc):
                     return False
                 raise ApiError(

@@ -7,15 +7,30 @@ makes one per readable outside key. The router keeps its live figures on
 it: requests in flight, the smoothed time to first token, the KV-cache
 share free (scraped by :mod:`llmgw.router.engine_metrics`) and its
 :class:`~llmgw.router.breaker.Breaker`.
+
+A replica that leaves routing other than by retiring (its engine stopped
+answering its health check, failed, stopped) is :meth:`Endpoint.lose`-t:
+the attempts still waiting for its first byte are cancelled and end in
+:class:`EndpointLost`, which the router retries elsewhere.
 """
 
 from __future__ import annotations
 
 import attrs
+import trio
 
+from llmgw import errors
 from llmgw.router.breaker import Breaker
 
-__all__ = ["Endpoint"]
+__all__ = ["Endpoint", "EndpointLost"]
+
+
+class EndpointLost(errors.UpstreamError):
+    """The endpoint left routing while an attempt waited for its first
+    byte (:meth:`Endpoint.lose`); nothing reached the client."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__(f"replica {label} left routing before it answered")
 
 
 @attrs.define(kw_only=True)
@@ -39,6 +54,10 @@ class Endpoint:
         external: an outside-provider key, not a replica of ours.
         tls: speak HTTPS to it.
         path_prefix: path before ``/v1/…`` at the provider (``/openai``), or "".
+        lost: it left routing (:meth:`lose`); a new endpoint is made if the
+            replica comes back.
+        waiting: the cancel scopes of attempts waiting for its first byte
+            (``Attempt.waiting_first_byte`` in :mod:`llmgw.router.router`).
     """
 
     #: Weight of the newest observation in :attr:`ttft_ewma_s`: about the
@@ -61,6 +80,15 @@ class Endpoint:
     external: bool = False
     tls: bool = False
     path_prefix: str = ""
+    lost: bool = attrs.field(default=False, eq=False)
+    waiting: set[trio.CancelScope] = attrs.field(factory=set, eq=False, repr=False)
+
+    def lose(self) -> None:
+        """It left routing: cancel the attempts waiting for its first byte
+        (they end in :class:`EndpointLost`), and any that start later."""
+        self.lost = True
+        for scope in self.waiting:
+            scope.cancel()
 
     @property
     def label(self) -> str:

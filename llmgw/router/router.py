@@ -27,6 +27,7 @@ control plane. Everything runs on the trio thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
@@ -43,7 +44,7 @@ from llmgw.store import ModelRecord
 from . import scoring
 from .admission import Admission, Ticket
 from .breaker import counts_as_failure, earliest_recovery, parse_retry_after_s
-from .endpoint import Endpoint
+from .endpoint import Endpoint, EndpointLost
 from .external import ProviderKeys
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "RETRY_AFTER_S",
     "Attempt",
     "ClusterView",
+    "EndpointLost",
     "NotReady",
     "Route",
     "Router",
@@ -157,6 +159,33 @@ class Attempt:
 
     def __exit__(self, *exc: object) -> None:
         self.endpoint.in_flight -= 1
+        if exc[0] is not None:
+            # Ended by an exception with no outcome reported (the client
+            # left: 499; the gateway stopping): a half-open probe gives way
+            # to the next request, and nothing counts against the endpoint.
+            self.endpoint.breaker.abandon()
+
+    @contextlib.contextmanager
+    def waiting_first_byte(self) -> Iterator[None]:
+        """Around the wait for the endpoint's first byte: when the endpoint
+        leaves routing meanwhile (:meth:`Endpoint.lose`, or it had already
+        left), the wait is cancelled and :class:`EndpointLost` raised, for
+        :meth:`Route.unreachable` to retry elsewhere.
+
+        Raises:
+            EndpointLost: the endpoint left routing before its first byte.
+        """
+        endpoint = self.endpoint
+        with trio.CancelScope() as scope:
+            if endpoint.lost:
+                scope.cancel()
+            endpoint.waiting.add(scope)
+            try:
+                yield
+            finally:
+                endpoint.waiting.discard(scope)
+        if scope.cancelled_caught:
+            raise EndpointLost(endpoint.label)
 
 
 class Router:
@@ -391,15 +420,25 @@ class Route:
 
     def unreachable(self, attempt: Attempt, exc: BaseException) -> bool:
         """The endpoint did not answer (``exc``: a connect error, a broken
-        exchange, the first-byte deadline). Counted against its breaker.
+        exchange, the first-byte deadline, :class:`EndpointLost`). Counted
+        against its breaker unless it left routing meanwhile.
 
         Returns:
             Whether to try another endpoint (:meth:`next`); if not, the
             request fails.
         """
         endpoint = attempt.endpoint
-        endpoint.breaker.failure(self._router.clock())
-        log.warning("endpoint %s did not answer: %r", endpoint.label, exc)
+        if endpoint.lost:
+            # It left routing (not answering its health check, failed):
+            # its breaker goes with it.
+            log.warning(
+                "endpoint %s did not answer and left routing (not counted): %r",
+                endpoint.label,
+                exc,
+            )
+        else:
+            endpoint.breaker.failure(self._router.clock())
+            log.warning("endpoint %s did not answer: %r", endpoint.label, exc)
         return self._retry(attempt)
 
     def turned_away(self, attempt: Attempt, status: int, retry_after: bytes | None) -> bool:

@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pytest
 import trio
+import trio.testing
 
+from llmgw.agent import probes, supervisor
 from llmgw.agent.protocol import EngineProfile, ShardState, ShardStatus, StartShard
 from llmgw.agent.supervisor import Supervisor
 from llmgw.engines.base import Command, EngineAdapter, ShardLaunch, error_line
@@ -639,3 +642,112 @@ async def test_a_weights_check_gives_way_to_a_stop_or_a_cancel(
                     scope.cancel()
             assert sup.state("s2") is None
             assert sup.running() == []
+
+
+# --- liveness of READY engines (docs/catalog.md, Replica states) ------------------
+
+
+async def change(events: trio.MemoryReceiveChannel[ShardStatus], state: ShardState) -> ShardStatus:
+    """The next status that is not a progress report; it must be ``state``.
+    (A silent engine is STARTING: its output goes out as progress, with the
+    reason.)"""
+    while True:
+        status = await events.receive()
+        if not status.progress:
+            assert status.state is state, status
+            return status
+        assert status.reason.startswith("not answering its health check"), status
+
+
+async def test_a_stopped_engine_is_not_ready_then_ready_again(script: Path) -> None:
+    """SIGSTOP: STARTING with "not answering its health check"; SIGCONT:
+    READY again, the same process, no reason."""
+    with trio.fail_after(DEADLINE_S):
+        async with open_supervisor(
+            script, liveness_interval_s=0.1, silent_after_s=0.5, silent_restart_s=60
+        ) as (sup, events):
+            await sup.start_shard(start_msg())
+            await expect(events, ShardState.STARTING, ShardState.READY)
+            pid = pid_of(sup)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                (silent,) = await expect(events, ShardState.STARTING)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert silent.reason.startswith("not answering its health check for ")
+            assert sup.state("s1") is ShardState.STARTING
+            back = await change(events, ShardState.READY)
+            assert back.reason == ""
+            assert pid_of(sup) == pid
+
+
+async def test_an_engine_silent_too_long_is_failed_and_stopped(script: Path) -> None:
+    """Silent past ``silent_restart_s``: FAILED with the reason, the process
+    stopped (SIGKILL after the grace: a stopped process ignores SIGTERM)."""
+    with trio.fail_after(DEADLINE_S):
+        async with open_supervisor(
+            script,
+            liveness_interval_s=0.1,
+            silent_after_s=0.3,
+            silent_restart_s=1.0,
+            stop_grace_s=0.5,
+        ) as (sup, events):
+            await sup.start_shard(start_msg())
+            await expect(events, ShardState.STARTING, ShardState.READY)
+            pid = pid_of(sup)
+            os.kill(pid, signal.SIGSTOP)
+            await expect(events, ShardState.STARTING)
+            failed = await change(events, ShardState.FAILED)
+            assert "not answering its health check" in failed.reason
+            assert "restarted after 1 s" in failed.reason
+            assert not alive(pid)  # stopped before FAILED was reported
+
+
+async def test_default_thresholds_on_a_fake_clock(
+    script: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the default constants: not ready after SILENT_AFTER_S of
+    silence (and not before), READY on the next answer, FAILED after
+    SILENT_RESTART_S. The health answers are faked; the clock jumps."""
+    answering = True
+    seen: list[tuple[float, bool]] = []
+
+    async def fake_is_ready(
+        client: httpx.AsyncClient,
+        url: str,
+        headers: dict[str, str],
+        *,
+        timeout_s: float = probes.PROBE_TIMEOUT_S,
+    ) -> bool:
+        if answering:
+            await trio.sleep(0.01)
+        else:
+            await trio.sleep(timeout_s)  # a hung engine: the probe's deadline passes
+        seen.append((trio.current_time(), answering))
+        return answering
+
+    monkeypatch.setattr(probes, "is_ready", fake_is_ready)
+    async with open_supervisor(script, stop_grace_s=1.0) as (sup, events):
+        await sup.start_shard(start_msg())
+        await expect(events, ShardState.STARTING, ShardState.READY)
+        await trio.sleep(10)  # READY and answering: nothing to say
+        with pytest.raises(trio.WouldBlock):
+            events.receive_nowait()
+        answering = False
+        went_silent = trio.current_time()
+        (silent,) = await expect(events, ShardState.STARTING)
+        waited_s = trio.current_time() - went_silent
+        assert waited_s >= supervisor.SILENT_AFTER_S
+        assert waited_s <= supervisor.SILENT_AFTER_S + supervisor.LIVENESS_INTERVAL_S + 2 * (
+            probes.LIVENESS_TIMEOUT_S
+        )
+        assert silent.reason.startswith("not answering its health check for ")
+        answering = True
+        back = await change(events, ShardState.READY)
+        assert back.reason == ""
+        answering = False
+        went_silent = trio.current_time()
+        await expect(events, ShardState.STARTING)
+        failed = await change(events, ShardState.FAILED)
+        assert trio.current_time() - went_silent >= supervisor.SILENT_RESTART_S
+        assert f"restarted after {supervisor.SILENT_RESTART_S:g} s" in failed.reason

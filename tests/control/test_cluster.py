@@ -397,3 +397,48 @@ def test_a_busy_port_is_remembered_on_its_node_and_the_replica_moves() -> None:
     cluster.move_port(cluster.shards["m-0"], 20001)
     assert cluster.nodes["a"].busy_ports == {20000}
     assert cluster.shards["m-0"].port == 20001
+
+
+def test_a_ready_replica_not_answering_leaves_the_endpoints_with_its_reason_and_comes_back() -> (
+    None
+):
+    """The agent reports a READY replica STARTING with a reason (its engine
+    stopped answering its health check): out of the endpoints at once, the
+    old endpoint lost (its first-byte waits go elsewhere), the reason kept,
+    the start deadline counted from then; READY again: a new endpoint, no
+    reason."""
+    now = [100.0]
+    cluster = Cluster(clock=lambda: now[0])
+    _register(cluster, "a")
+    cluster.add_shard(_shard("m-0"))
+    cluster.add_shard(attrs.evolve(_shard("m-1"), port=20001))
+    cluster.shard_status(_status("m-0", ShardState.STARTING, progress="loading"), "a")
+    cluster.shard_status(_status("m-0", ShardState.READY), "a")
+    cluster.shard_status(_status("m-1", ShardState.READY), "a")
+    before = {e.replica_id: e for e in cluster.ready_endpoints("m")}
+    assert sorted(before) == ["m-0", "m-1"]
+    now[0] = 900.0
+    reason = "not answering its health check for 8 s"
+    cluster.shard_status(_status("m-0", ShardState.STARTING, reason=reason), "a")
+    shard = cluster.shards["m-0"]
+    assert [e.replica_id for e in cluster.ready_endpoints("m")] == ["m-1"]
+    assert (shard.state, shard.reason, shard.progress_at, shard.progress) == (
+        ShardState.STARTING,
+        reason,
+        900.0,
+        "",  # not the last start's progress
+    )
+    assert before["m-0"].lost
+    assert not before["m-1"].lost
+    # Its output while silent comes as progress, with the reason.
+    cluster.shard_status(
+        _status("m-0", ShardState.STARTING, reason=reason, progress="still here"), "a"
+    )
+    assert shard.reason == reason
+    cluster.shard_status(_status("m-0", ShardState.READY), "a")
+    after = {e.replica_id: e for e in cluster.ready_endpoints("m")}
+    assert sorted(after) == ["m-0", "m-1"]
+    assert after["m-0"] is not before["m-0"]
+    assert not after["m-0"].lost
+    assert after["m-1"] is before["m-1"]
+    assert shard.reason == ""

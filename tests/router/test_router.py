@@ -20,7 +20,14 @@ from llmgw.agent.protocol import ShardState
 from llmgw.router.admission import AdmissionTimeout
 from llmgw.router.breaker import OPEN_FOR_S, BreakerState
 from llmgw.router.endpoint import Endpoint
-from llmgw.router.router import MAX_ATTEMPTS, ClusterView, NotReady, Route, Router
+from llmgw.router.router import (
+    MAX_ATTEMPTS,
+    ClusterView,
+    EndpointLost,
+    NotReady,
+    Route,
+    Router,
+)
 from llmgw.settings import (
     AdmissionSettings,
     BandSettings,
@@ -502,3 +509,69 @@ def test_aliases_resolve_and_a_name_wins_over_an_alias() -> None:
     c = model("c", aliases=("b2",))
     cluster.models = {**cluster.models, "c": c}  # the catalog is replaced whole
     assert router.resolve("b2") is c
+
+
+# --- replicas leaving routing ----------------------------------------------------------
+
+
+async def test_an_attempt_waiting_on_a_replica_that_leaves_routing_is_retried_elsewhere() -> None:
+    """A replica taken out of routing (its engine stopped answering) cancels
+    the attempts waiting for its first byte: EndpointLost, retried on
+    another replica, nothing counted against the lost one's breaker."""
+    m = model("m")
+    cluster = FakeCluster(m)
+    a, b = cluster.add("m", "m-0", "m-1")
+    router = Router(cluster)
+    r = route(router, m)
+    first = await r.next()
+    lost = first.endpoint
+    caught: list[BaseException] = []
+
+    async def wait_for_first_byte(task_status: trio.TaskStatus[None]) -> None:
+        with first:
+            try:
+                with first.waiting_first_byte():
+                    task_status.started()
+                    await trio.sleep_forever()
+            except EndpointLost as exc:
+                caught.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(wait_for_first_byte)
+        assert lost.in_flight == 1
+        cluster.endpoints["m"].remove(lost)
+        lost.lose()
+    (exc,) = caught
+    assert lost.replica_id in str(exc)
+    assert lost.in_flight == 0
+    assert r.unreachable(first, exc)
+    assert lost.breaker.consecutive_failures == 0
+    second = await r.next()
+    assert second.endpoint is not lost
+    assert second.number == 1
+    # A request sent to it after it left (chosen just before) ends at once.
+    with pytest.raises(EndpointLost), first.waiting_first_byte():
+        await trio.sleep_forever()
+    assert {a.replica_id, b.replica_id} == {lost.replica_id, second.endpoint.replica_id}
+
+
+async def test_a_client_leaving_counts_nothing_against_the_replica_and_frees_the_probe(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request cancelled while it waits on a replica (the client left:
+    499) is no failure of the replica; when it was the half-open probe, the
+    next request may probe."""
+    m = model("m")
+    cluster = FakeCluster(m)
+    (e,) = cluster.add("m", "m-0")
+    router = Router(cluster, clock=trio.current_time)
+    e.breaker.failure(trio.current_time(), status=429, retry_after_s=2.0)
+    attempt = await route(router, m).next()
+    assert state_of(e) is BreakerState.HALF_OPEN  # this request is the probe
+    with trio.move_on_after(1), attempt, attempt.waiting_first_byte():
+        await trio.sleep_forever()  # the client leaves
+    assert e.breaker.consecutive_failures == 1  # the 429 only
+    again = await route(router, m).next()  # no NotReady: the probe is free
+    assert again.endpoint is e
+    e.lose()  # found dead later: still nothing counted for the 499
+    assert e.breaker.consecutive_failures == 1

@@ -5,8 +5,9 @@ An engine is ready when ``GET <base url><health path>``, with the engine key
 as a bearer token when it has one, answers 200 with a body that
 :func:`~llmgw.engines.base.body_says_ready` (at most
 :data:`~llmgw.engines.base.MAX_HEALTH_BODY_BYTES` of it read). A probe takes
-at most :data:`PROBE_TIMEOUT_S`; any HTTP error, timeout or other status
-counts as not ready.
+at most :data:`PROBE_TIMEOUT_S` (a liveness probe of a READY engine,
+:data:`LIVENESS_TIMEOUT_S`); any HTTP error, timeout or other status counts
+as not ready.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import trio
 from llmgw.engines.base import MAX_HEALTH_BODY_BYTES, body_says_ready
 
 __all__ = [
+    "LIVENESS_TIMEOUT_S",
     "PROBE_TIMEOUT_S",
     "auth_headers",
     "base_url",
@@ -30,6 +32,9 @@ __all__ = [
 
 #: How long one readiness probe may take, in seconds.
 PROBE_TIMEOUT_S: Final = 2.0
+#: How long one liveness probe of a READY engine may take, in seconds: a
+#: health endpoint answers at once even while the engine generates.
+LIVENESS_TIMEOUT_S: Final = 2.0
 
 
 def base_url(bind_addr: str, port: int) -> str:
@@ -57,10 +62,17 @@ def probe_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(trust_env=False, timeout=PROBE_TIMEOUT_S)
 
 
-async def is_ready(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> bool:
+async def is_ready(
+    client: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    *,
+    timeout_s: float = PROBE_TIMEOUT_S,
+) -> bool:
     """Whether the engine's health endpoint at ``url`` says it is ready
-    (see the module docstring); never raises for network errors."""
-    with trio.move_on_after(PROBE_TIMEOUT_S):
+    (see the module docstring) within ``timeout_s`` seconds; never raises
+    for network errors."""
+    with trio.move_on_after(timeout_s):
         try:
             async with client.stream("GET", url, headers=headers) as response:
                 if response.status_code != 200:

@@ -24,6 +24,13 @@ log file and its last lines), :mod:`llmgw.agent.probes` (readiness probes),
   ``ShardStatus.progress`` at most every ``progress_interval_s`` so the
   control plane resets its start deadline; for the first
   :data:`COMPUTE_WATCH_S` after READY a changed compute report is sent again;
+- a READY engine is probed every :data:`LIVENESS_INTERVAL_S` (each probe at
+  most :data:`~llmgw.agent.probes.LIVENESS_TIMEOUT_S`). One that has not
+  answered ready for :data:`SILENT_AFTER_S` is reported STARTING with the
+  reason "not answering its health check for N s" (the control plane takes
+  it out of routing); it is READY again as soon as it answers, and FAILED
+  (stopped; the control plane's crash back-off restarts it) once silent for
+  :data:`SILENT_RESTART_S`;
 - a process that exits without having been asked to stop, or an engine that
   makes no progress (no output) and is not ready within the startup timeout,
   turns the shard FAILED with a one-line reason and its last output lines;
@@ -71,7 +78,10 @@ from llmgw.engines.base import EngineAdapter, ShardLaunch, error_line
 __all__ = [
     "COMPUTE_WATCH_S",
     "FAILED_LAST_LINES",
+    "LIVENESS_INTERVAL_S",
     "PROGRESS_INTERVAL_S",
+    "SILENT_AFTER_S",
+    "SILENT_RESTART_S",
     "STOP_ALL_DEADLINE_S",
     "Supervisor",
 ]
@@ -89,6 +99,17 @@ PROGRESS_INTERVAL_S: Final = 5.0
 #: How long after start a changed compute report is sent again (re-read
 #: every 5 s for the first 5 minutes), in seconds.
 COMPUTE_WATCH_S: Final = 300.0
+#: Seconds between two liveness probes of a READY engine (from one probe's
+#: start to the next one's).
+LIVENESS_INTERVAL_S: Final = 2.0
+#: How long a READY engine may go without answering its health check ready
+#: before it is reported not ready (STARTING with a reason), in seconds.
+#: With the probe's deadline and the report's way to the control plane, it
+#: leaves routing within about 10 s.
+SILENT_AFTER_S: Final = 6.0
+#: How long an engine may stay silent before it is failed and stopped (the
+#: control plane's crash back-off restarts it), in seconds.
+SILENT_RESTART_S: Final = 60.0
 
 _ACTIVE: Final = frozenset({ShardState.STARTING, ShardState.READY})
 
@@ -134,6 +155,9 @@ class _Shard:
     procs: list[_Proc] = attrs.field(factory=list)
     # Progress and compute reports.
     progress_at: float = 0.0
+    #: Why a shard that was READY is STARTING again (its engine stopped
+    #: answering its health check); "" otherwise.
+    silent: str = ""
     #: Cancels a weights check in progress (set while one runs).
     checking: trio.CancelScope | None = None
     #: Process exits are expected from now on (a stop or a failure is under way).
@@ -177,6 +201,9 @@ class Supervisor:
         stop_grace_s: seconds between SIGTERM and SIGKILL (5 by default).
         progress_interval_s: least seconds between two progress reports of
             a STARTING shard, and between two compute reports of a READY one.
+        liveness_interval_s, silent_after_s, silent_restart_s: the liveness
+            probes of READY engines (:data:`LIVENESS_INTERVAL_S`,
+            :data:`SILENT_AFTER_S`, :data:`SILENT_RESTART_S` by default).
 
     Raises:
         ValueError: ``max_log_lines`` is less than 1.
@@ -197,6 +224,9 @@ class Supervisor:
         owns_engines: bool = False,
         stop_grace_s: float = STOP_GRACE_S,
         progress_interval_s: float = PROGRESS_INTERVAL_S,
+        liveness_interval_s: float = LIVENESS_INTERVAL_S,
+        silent_after_s: float = SILENT_AFTER_S,
+        silent_restart_s: float = SILENT_RESTART_S,
     ) -> None:
         if max_log_lines < 1:
             raise ValueError("max_log_lines must be at least 1")
@@ -209,6 +239,9 @@ class Supervisor:
         self._owns_engines = owns_engines
         self._stop_grace_s = stop_grace_s
         self._progress_interval_s = progress_interval_s
+        self._liveness_interval_s = liveness_interval_s
+        self._silent_after_s = silent_after_s
+        self._silent_restart_s = silent_restart_s
         self._shards: dict[str, _Shard] = {}
         self._locks: collections.defaultdict[str, trio.Lock] = collections.defaultdict(trio.Lock)
         self._nursery: trio.Nursery | None = None
@@ -669,7 +702,9 @@ class Supervisor:
                     for proc in shard.procs:
                         nursery.start_soon(self._wait_exit, shard, proc)
                     if shard.state is ShardState.STARTING:
-                        nursery.start_soon(self._probe_until_ready, shard)
+                        await self._probe_until_ready(shard)
+                    if shard.state is ShardState.READY:
+                        await self._probe_while_ready(shard)
         finally:
             shard.output.read()
             shard.output.close()
@@ -742,6 +777,53 @@ class Supervisor:
                     )
                     return
                 await trio.sleep(self._probe_interval_s)
+                if shard.api_key and "Authorization" not in headers:
+                    headers = probes.auth_headers(shard.api_key)
+
+    async def _probe_while_ready(self, shard: _Shard) -> None:
+        """Probe a READY engine every ``liveness_interval_s`` until it ends
+        (module docstring): report it STARTING with a reason after
+        ``silent_after_s`` without a ready answer, READY again when it
+        answers, fail it after ``silent_restart_s``."""
+        headers = probes.auth_headers(shard.api_key)
+        answered_at = trio.current_time()
+        async with probes.probe_client() as client:
+            while not shard.ending:
+                probe_at = trio.current_time()
+                ready = await probes.is_ready(
+                    client,
+                    shard.health_url,
+                    headers,
+                    timeout_s=min(probes.LIVENESS_TIMEOUT_S, self._silent_after_s),
+                )
+                if shard.ending:
+                    return
+                now = trio.current_time()
+                if ready:
+                    answered_at = now
+                    if shard.silent:
+                        shard.silent = ""
+                        shard.state = ShardState.READY
+                        log.info("shard %s: answering its health check again", shard.shard_id)
+                        await self._emit(self._status(shard))
+                else:
+                    silent_s = now - answered_at
+                    if silent_s >= self._silent_restart_s:
+                        shard.silent = ""
+                        await self._fail(
+                            shard,
+                            f"not answering its health check for {silent_s:.0f} s "
+                            f"(restarted after {self._silent_restart_s:g} s)",
+                        )
+                        return
+                    if silent_s >= self._silent_after_s and not shard.silent:
+                        shard.silent = f"not answering its health check for {silent_s:.0f} s"
+                        shard.state = ShardState.STARTING
+                        log.warning("shard %s: %s", shard.shard_id, shard.silent)
+                        await self._emit(self._status(shard))
+                await trio.sleep(
+                    max(0.0, probe_at + self._liveness_interval_s - trio.current_time())
+                )
                 if shard.api_key and "Authorization" not in headers:
                     headers = probes.auth_headers(shard.api_key)
 
@@ -829,7 +911,7 @@ class Supervisor:
             replica_id=shard.replica_id,
             state=shard.state,
             port=shard.port,
-            reason=reason,
+            reason=reason or (shard.silent if shard.state is ShardState.STARTING else ""),
             last_lines=last_lines,
             correlation_id=correlation_id,
             compute=shard.compute,
