@@ -284,11 +284,13 @@ async def stop_groups(
     strays = await trio.to_thread.run_sync(find_strays, groups)
     signal_all(groups, strays, signal.SIGTERM)
     gone = await _wait_gone(groups, strays, children, grace_s)
-    with trio.move_on_after(REAP_DEADLINE_S):
+    reaped_by = trio.current_time() + REAP_DEADLINE_S
+    if not gone:
+        strays |= await trio.to_thread.run_sync(find_strays, groups)
+        log.warning("%s: still running after SIGTERM; SIGKILL", label or "engine")
+        signal_all(groups, strays, signal.SIGKILL)
+    with trio.move_on_at(reaped_by):
         if not gone:
-            strays |= await trio.to_thread.run_sync(find_strays, groups)
-            log.warning("%s: still running after SIGTERM; SIGKILL", label or "engine")
-            signal_all(groups, strays, signal.SIGKILL)
             await _wait_gone(groups, strays, children, REAP_DEADLINE_S)
         for child in children:
             await child.wait()
