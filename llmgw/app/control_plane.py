@@ -86,6 +86,7 @@ async def serve_control_plane(
     cluster: Cluster,
     stop: trio.Event,
     *,
+    listeners_closed: trio.Event | None = None,
     task_status: trio.TaskStatus[Addresses] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the control plane until ``stop`` is set, then stop gracefully.
@@ -95,6 +96,8 @@ async def serve_control_plane(
         store: an open store (migrated).
         cluster: the live view shared with the agents' hub and the router.
         stop: set it to stop (signals, tests).
+        listeners_closed: set once every listener has closed (requests in
+            flight finished or cut), before the rest of the stop.
 
     Returns:
         Once every listener has closed, in-flight requests have finished (or
@@ -164,6 +167,8 @@ async def serve_control_plane(
             )
             # The listeners return once `stop` is set and their requests are done.
         log.info("listeners closed; stopping the control plane")
+        if listeners_closed is not None:
+            listeners_closed.set()
         await gateway.aclose()
         await release_leadership(store, holder)
         services.cancel_scope.cancel()

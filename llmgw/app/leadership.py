@@ -29,6 +29,8 @@ LEASE_NAME: Final = "leader"
 #: How long a taken or renewed lease holds, in seconds; it is renewed every
 #: third of that.
 LEASE_TTL_S: Final = 10.0
+#: How long giving the lease up at a stop may take, in seconds.
+RELEASE_TIMEOUT_S: Final = 1.5
 
 
 def lease_holder() -> str:
@@ -38,9 +40,19 @@ def lease_holder() -> str:
 
 async def release_leadership(store: Store, holder: str) -> None:
     """Give the lease up at once (shielded from cancellation), so another
-    control plane need not wait for it to expire."""
-    with trio.CancelScope(shield=True):
-        await store.release_lease(LEASE_NAME, holder)
+    control plane need not wait for it to expire. Bounded by
+    :data:`RELEASE_TIMEOUT_S`: a store that is locked or down is given up
+    on (logged; the lease then expires after :data:`LEASE_TTL_S`), so a
+    stop stays bounded (``docs/up.md``, Stopping)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(RELEASE_TIMEOUT_S) as waited:
+        try:
+            await store.release_lease(LEASE_NAME, holder)
+        except StoreError as exc:
+            log.warning("leader lease not released (%s); it expires by itself", exc)
+    if waited.cancelled_caught:
+        log.warning(
+            "leader lease not released within %g s; it expires by itself", RELEASE_TIMEOUT_S
+        )
 
 
 async def serve_leadership(

@@ -18,10 +18,13 @@ so as it goes:
 5. says "ready in N s" once the model answers (``GET /ready`` is 200).
 
 SIGINT or SIGTERM: stop taking requests, let those in flight finish (grace
-10 s), stop the engines of the agent run here (a separate agent's engines
-keep running), flush the usage rows, exit. A second signal, 2 s or more
-after the first, stops at once (one Ctrl-C often arrives twice: the
-terminal signals the process group and ``uv run`` forwards it).
+10 s), then stop the engines of the agent run here (a separate agent's
+engines keep running; SIGKILL after :data:`ENGINE_STOP_GRACE_S`) while the
+usage rows are flushed, and exit. The whole stop is bounded: it returns
+within the grace plus :data:`STOP_AFTER_GRACE_S`, whatever is in flight.
+A second signal, 2 s or more after the first, stops at once (one Ctrl-C
+often arrives twice: the terminal signals the process group and ``uv run``
+forwards it).
 """
 
 from __future__ import annotations
@@ -63,8 +66,18 @@ log = logging.getLogger("llmgw.up")
 
 #: The in-process agent's state directory, under the data directory.
 AGENT_STATE_DIR: Final = "agent"
-#: After the listeners close, how long the engines get before being stopped.
-ENGINE_STOP_WAIT_S: Final = 15.0
+#: The stop's bound: a signal's stop returns within the grace plus this,
+#: in seconds, whatever is in flight (``docs/up.md``, Stopping). What is
+#: left of the control plane and the agent then is cancelled; the parts
+#: that must finish (a cut stream's last event, the engines' SIGKILL) have
+#: their own shorter bounds.
+STOP_AFTER_GRACE_S: Final = 4.0
+#: After the grace, how long the listeners may take to close (a cut
+#: stream's error event gets 1 s), in seconds.
+LISTENERS_CLOSE_S: Final = 1.5
+#: How long the engines of the agent run here get between SIGTERM and
+#: SIGKILL, in seconds (then at most ``REAP_DEADLINE_S`` to be reaped).
+ENGINE_STOP_GRACE_S: Final = 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -144,13 +157,20 @@ async def _run_locked(
                 grace_s=options.grace_s,
                 settings=settings,
             )
-            cp_done = trio.Event()
+            listeners_closed = trio.Event()
 
             async def control_plane(*, task_status: trio.TaskStatus[Addresses]) -> None:
                 try:
-                    await serve_control_plane(config, store, cluster, stop, task_status=task_status)
+                    await serve_control_plane(
+                        config,
+                        store,
+                        cluster,
+                        stop,
+                        listeners_closed=listeners_closed,
+                        task_status=task_status,
+                    )
                 finally:
-                    cp_done.set()
+                    listeners_closed.set()
 
             async with trio.open_nursery() as cp:
                 # Listen first: a start that cannot bind its ports changes nothing.
@@ -176,6 +196,7 @@ async def _run_locked(
                                     llamacpp_bin=options.llamacpp_bin,
                                     owns_engines=True,
                                     state_dir=data_dir / AGENT_STATE_DIR,
+                                    engine_stop_grace_s=ENGINE_STOP_GRACE_S,
                                 ),
                             )
                         else:
@@ -194,8 +215,14 @@ async def _run_locked(
                             say,
                         )
                         await stop.wait()
-                        with trio.move_on_after(options.grace_s + 5):
-                            await cp_done.wait()
+                        # The stop's bound: whatever is left then is cancelled.
+                        cp.cancel_scope.deadline = (
+                            trio.current_time() + options.grace_s + STOP_AFTER_GRACE_S
+                        )
+                        with trio.move_on_after(options.grace_s + LISTENERS_CLOSE_S):
+                            await listeners_closed.wait()
+                        # No request is left for the engines: they stop while
+                        # the control plane writes its usage rows.
                         if options.agent:
                             say("stopping the engines")
                         agent.cancel_scope.cancel()

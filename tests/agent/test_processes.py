@@ -77,7 +77,8 @@ async def test_stop_groups_kills_the_group_and_its_strays(
     tmp_path: Path, ignore_term: bool
 ) -> None:
     """A process in its own group and a stray that left it are both gone
-    after a stop (with SIGKILL when SIGTERM is ignored), the child reaped."""
+    after a stop (with SIGKILL when SIGTERM is ignored), the child reaped,
+    within the grace and REAP_DEADLINE_S."""
     script = tmp_path / "family.py"
     script.write_text(FAMILY)
     out_path = tmp_path / "out"
@@ -93,9 +94,12 @@ async def test_stop_groups_kills_the_group_and_its_strays(
             assert os.getpgid(process.pid) == process.pid
             found = processes.find_strays(frozenset({process.pid}))
             assert stray in {p.pid for p in found}
-            await processes.stop_groups(
-                frozenset({process.pid}), [process], grace_s=0.3, label="test"
-            )
+            # Bounded: the grace, then at most REAP_DEADLINE_S (1 s to spare
+            # for reading /proc on a busy machine).
+            with trio.fail_after(0.3 + processes.REAP_DEADLINE_S + 1):
+                await processes.stop_groups(
+                    frozenset({process.pid}), [process], grace_s=0.3, label="test"
+                )
             assert process.returncode == (-signal.SIGKILL if ignore_term else -signal.SIGTERM)
             assert not alive(stray)
             assert not processes.any_alive(frozenset({process.pid}), found)

@@ -33,6 +33,7 @@ from llmgw.engines.registry import get_adapter
 
 from . import discovery, protocol
 from .link import AgentHandlers, serve_link
+from .processes import STOP_GRACE_S
 from .state import default_state_dir
 from .supervisor import Supervisor
 
@@ -66,6 +67,9 @@ class AgentConfig:
     bandwidth_first_delay_s: the first measurement comes after a random
         pause in this range (seconds) once registered.
     bandwidth_interval_s: seconds between later measurements.
+    engine_stop_grace_s: seconds an engine gets between SIGTERM and
+        SIGKILL when it is stopped (:func:`~llmgw.agent.processes.stop_groups`;
+        ``llmgw up`` gives less, its stop being bounded, ``docs/up.md``).
     """
 
     server_url: str
@@ -77,6 +81,7 @@ class AgentConfig:
     measure_bandwidth: bool = True
     bandwidth_first_delay_s: tuple[float, float] = (10.0, 120.0)
     bandwidth_interval_s: float = 3600.0
+    engine_stop_grace_s: float = STOP_GRACE_S
 
 
 @attrs.define
@@ -123,6 +128,7 @@ async def serve_agent(
         events=send,
         state_dir=state_dir,
         owns_engines=config.owns_engines,
+        stop_grace_s=config.engine_stop_grace_s,
     )
 
     async def register() -> protocol.Register:

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S: Final = 5.0
 #: How often a stopping engine is checked for exit, in seconds.
 STOP_POLL_S: Final = 0.1
-#: How long reaping after SIGKILL may take, in seconds.
+#: How long SIGKILL and reaping may take after the SIGTERM grace, in seconds.
 REAP_DEADLINE_S: Final = 2.0
 #: How deep the search for strays goes below a group's processes.
 STRAY_MAX_DEPTH: Final = 32
@@ -271,9 +271,11 @@ async def stop_groups(
 
     Strays are found first; groups and strays get SIGTERM, then up to
     ``grace_s`` seconds polled every :data:`STOP_POLL_S`; whatever still runs
-    (strays found again) gets SIGKILL and up to :data:`REAP_DEADLINE_S`
-    seconds more; then the children are waited for (again at most
-    :data:`REAP_DEADLINE_S`). ``label`` names the owner in log lines
+    (strays found again) gets SIGKILL; the children are then waited for.
+    Everything after the SIGTERM wait, SIGKILL and reaping included, takes
+    at most :data:`REAP_DEADLINE_S` seconds, so a stop takes at most
+    ``grace_s + REAP_DEADLINE_S`` seconds (and the few milliseconds of
+    reading ``/proc``). ``label`` names the owner in log lines
     (``"shard s1"``). Nothing to do for no groups. Never raises for
     processes that are gone or may not be signalled (logged).
     """
@@ -281,12 +283,15 @@ async def stop_groups(
         return
     strays = await trio.to_thread.run_sync(find_strays, groups)
     signal_all(groups, strays, signal.SIGTERM)
-    if not await _wait_gone(groups, strays, children, grace_s):
+    gone = await _wait_gone(groups, strays, children, grace_s)
+    reaped_by = trio.current_time() + REAP_DEADLINE_S
+    if not gone:
         strays |= await trio.to_thread.run_sync(find_strays, groups)
         log.warning("%s: still running after SIGTERM; SIGKILL", label or "engine")
         signal_all(groups, strays, signal.SIGKILL)
-        await _wait_gone(groups, strays, children, REAP_DEADLINE_S)
-    with trio.move_on_after(REAP_DEADLINE_S):
+    with trio.move_on_at(reaped_by):
+        if not gone:
+            await _wait_gone(groups, strays, children, REAP_DEADLINE_S)
         for child in children:
             await child.wait()
 
