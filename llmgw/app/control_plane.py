@@ -1,5 +1,5 @@
 """The control plane's nursery: gateway, admin API, metrics, agents' hub,
-live settings, usage writer, replicas' engine metrics and (while leading)
+live settings, usage journal and writer, replicas' engine metrics and (while leading)
 the reconciler, wired together over one store and one :class:`Cluster`.
 
 ``serve_control_plane`` is what ``llmgw up`` runs. Its stop is graceful:
@@ -21,6 +21,7 @@ from prometheus_client import make_asgi_app
 
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant, restore_budgets
+from llmgw.accounting.journal import UsageJournal, serve_journal_committer
 from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.admin.app import make_admin_app
@@ -46,6 +47,8 @@ log = logging.getLogger("llmgw.control")
 
 #: Requests in flight get this long to finish after a stop, in seconds.
 GRACE_S: Final = 10.0
+#: The usage journal's folder, in the data directory.
+JOURNAL_DIR: Final = "usage-journal"
 
 
 @attrs.frozen(kw_only=True)
@@ -60,7 +63,7 @@ class ServerConfig:
     grace_s: float = GRACE_S
     #: The seed of the live settings (``server.yaml``); the store's document wins.
     settings: ServerSettings = attrs.field(factory=ServerSettings)
-    #: Where weights live (model purge); ``None`` = the SQLite store's folder.
+    #: Where weights and the usage journal live; ``None`` = the SQLite store's folder.
     data_dir: Path | None = None
 
 
@@ -115,7 +118,13 @@ async def serve_control_plane(
         default_tpm=auth.default_tpm,
     )
     await restore_budgets(store, accountant)
-    usage = UsageWriter(buffer_size=auth.buffer_size, batch_size=auth.batch_size)
+    store_path = getattr(store, "path", None)
+    data_dir = config.data_dir or (Path(store_path).parent if store_path is not None else None)
+    # Usage rows are durable in a local journal before a client gets the end
+    # of its answer; without a data directory (a store in memory) they wait
+    # in memory for the writer.
+    journal = UsageJournal(data_dir / JOURNAL_DIR) if data_dir is not None else None
+    usage = UsageWriter(buffer_size=auth.buffer_size, batch_size=auth.batch_size, journal=journal)
     gateway = Gateway(
         authenticator=authenticator,
         cluster=cluster,
@@ -125,8 +134,6 @@ async def serve_control_plane(
     )
     keys_service = KeysService(store, authenticator, resolver, auth, accountant)
     live = LiveSettings(store, cluster)
-    store_path = getattr(store, "path", None)
-    data_dir = config.data_dir or (Path(store_path).parent if store_path is not None else None)
     admin = make_admin_app(
         store, cluster, authenticator, keys_service, live=live, data_dir=data_dir
     )
@@ -137,6 +144,8 @@ async def serve_control_plane(
         # Every control plane keeps its settings live, leader or not; the
         # store's document (seeded once from server.yaml) wins over the file.
         await services.start(partial(serve_settings, store, cluster, config.settings, live=live))
+        if journal is not None:
+            await services.start(serve_journal_committer, journal)
         await services.start(
             partial(serve_usage_writer, usage, store, flush_interval_s=auth.flush_interval)
         )
@@ -167,3 +176,5 @@ async def serve_control_plane(
         await gateway.aclose()
         await release_leadership(store, holder)
         services.cancel_scope.cancel()
+    if journal is not None:
+        journal.close()

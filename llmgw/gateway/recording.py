@@ -1,10 +1,13 @@
 """After a request: its metrics, the accountant settled, its usage row
-queued. Synchronous: nothing here awaits."""
+queued. Synchronous: nothing here awaits; with the usage journal the caller
+awaits the returned event before it sends the end of the answer."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Container
+
+import trio
 
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant
@@ -33,11 +36,18 @@ class Recorder:
         self._accountant = accountant
         self._accounting = accounting
 
-    def record(self, request: Request, outcome: Outcome, catalog: Container[str]) -> None:
+    def record(
+        self, request: Request, outcome: Outcome, catalog: Container[str]
+    ) -> trio.Event | None:
         """Count ``request`` in the metrics (by its model when ``catalog``
         has it, else unlabelled) with ``outcome.status``; with a key, settle
         its reservation with ``outcome.usage`` (released when ``None``) and
-        queue its usage row with the cost."""
+        queue its usage row with the cost.
+
+        Returns:
+            The event set once the row is durable (the usage journal), or
+            ``None`` when there is nothing to wait for.
+        """
         status = outcome.status
         usage = outcome.usage
         duration_s = time.perf_counter() - request.started
@@ -54,7 +64,7 @@ class Recorder:
             metrics.TOKENS.labels(label, "completion").inc(usage.completion_tokens)
         key = request.key
         if key is None or not self._accounting:
-            return
+            return None
         cost_micros = 0
         reservation = request.reservation
         if reservation is not None and self._accountant is not None:
@@ -71,7 +81,7 @@ class Recorder:
             else:
                 self._accountant.release(reservation, now)
         project_id, team_id, org_id = request.scope_ids
-        self._usage.record(
+        return self._usage.record(
             UsageRow(
                 request_id=request.request_id,
                 created_at=time.time(),
