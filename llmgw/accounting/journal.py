@@ -102,6 +102,7 @@ class UsageJournal:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
+        self._number = 0  # none active yet: every segment found is closed
         existing = self.closed_segments()
         self._closed_bytes = sum(p.stat().st_size for p in existing)
         self._number = max((int(p.stem) for p in existing), default=0) + 1
@@ -126,11 +127,10 @@ class UsageJournal:
 
     def closed_segments(self) -> list[Path]:
         """The segments no longer appended to, oldest first."""
-        active = getattr(self, "_number", None)
         return sorted(
             p
             for p in self.directory.glob(f"*{_SUFFIX}")
-            if p.stem.isdigit() and int(p.stem) != active
+            if p.stem.isdigit() and int(p.stem) != self._number
         )
 
     @property
