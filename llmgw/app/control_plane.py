@@ -32,6 +32,7 @@ from llmgw.control.cluster import Cluster
 from llmgw.control.hub import serve_agent_hub
 from llmgw.control.live import LiveSettings, serve_settings
 from llmgw.control.reconciler import PortRange
+from llmgw.errors import StoreError
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
 from llmgw.router.engine_metrics import serve_engine_metrics
@@ -117,7 +118,6 @@ async def serve_control_plane(
         default_rpm=auth.default_rpm,
         default_tpm=auth.default_tpm,
     )
-    await restore_budgets(store, accountant)
     store_path = getattr(store, "path", None)
     data_dir = config.data_dir or (Path(store_path).parent if store_path is not None else None)
     # Usage rows are durable in a local journal before a client gets the end
@@ -125,6 +125,16 @@ async def serve_control_plane(
     # in memory for the writer.
     journal = UsageJournal(data_dir / JOURNAL_DIR) if data_dir is not None else None
     usage = UsageWriter(buffer_size=auth.buffer_size, batch_size=auth.batch_size, journal=journal)
+    if journal is not None and journal.closed_segments():
+        # A crashed process's rows go into the store before the budgets are
+        # read back from it, so its spend counts.
+        try:
+            await usage.flush(store)
+        except (StoreError, OSError) as exc:
+            log.error("usage journal not replayed yet (%s); the usage writer retries", exc)
+        else:
+            log.info("usage journal replayed into the store")
+    await restore_budgets(store, accountant)
     gateway = Gateway(
         authenticator=authenticator,
         cluster=cluster,

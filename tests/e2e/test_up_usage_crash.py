@@ -123,6 +123,8 @@ def test_no_usage_row_is_lost_when_llmgw_is_killed_under_load(
         # The same data directory, the same engine ports (the engines live on).
         up = start_up(*args, "--engine-ports", ports)
         up.wait_ready()
+        # Before the budgets are read back from the store, so their spend counts.
+        assert "usage journal replayed into the store" in up.log()
     # Rows of the journal are written by the process started after each kill.
     _wait_stored(up, data, ended)
     assert len(ended) >= 165
