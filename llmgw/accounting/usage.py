@@ -137,7 +137,13 @@ async def serve_usage_writer(
                 await writer.flush(store)
             except (StoreError, OSError) as exc:
                 retry_s = min(retry_s * 2, RETRY_MAX_S) if failing else flush_interval_s
-                if not failing:
+                if not failing and writer.journal is not None:
+                    log.error(
+                        "usage rows not written (%s); %d bytes kept in the journal, retrying",
+                        exc,
+                        writer.journal.pending_bytes,
+                    )
+                elif not failing:
                     log.error("usage rows not written (%s); %d kept, retrying", exc, len(writer))
                 failing = True
                 metrics.USAGE_WRITE_FAILURES.inc()
