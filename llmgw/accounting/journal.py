@@ -24,14 +24,25 @@ The usage writer (:mod:`llmgw.accounting.usage`) reads closed segments
 back, writes their rows into the store (idempotent by ``request_id``) and
 then deletes them; :meth:`UsageJournal.rotate` closes the active segment.
 Segments left by a crashed process are closed segments to the next one.
+
+Streams under way: :meth:`UsageJournal.begin` adds a "started" record (the
+row the stream would get if cut now: status 503, the tokens seen so far),
+written again at the head of each new segment until the stream's row is
+appended. Replaying an earlier process's segments, a started stream with no
+row gets its last "started" record as its row (cut by the crash, status
+503, no cost). The committer adds a fresh "started" record of each stream
+under way every :data:`PROGRESS_S`, so a cut row has the tokens seen at
+most that long before the crash.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final, NoReturn
 
@@ -42,7 +53,7 @@ import trio
 from llmgw import metrics
 from llmgw.store import UsageRow
 
-__all__ = ["UsageJournal", "read_segment", "serve_journal_committer"]
+__all__ = ["UsageJournal", "read_records", "read_segment", "serve_journal_committer"]
 
 log = logging.getLogger("llmgw.accounting.journal")
 
@@ -50,6 +61,8 @@ _HEADER: Final = struct.Struct(">II")
 #: A record longer than this is taken for garbage (a row is ~400 bytes).
 _MAX_RECORD_BYTES: Final = 1 << 20
 _SUFFIX: Final = ".seg"
+#: How often the streams under way have their tokens so far written, in seconds.
+PROGRESS_S: Final = 0.25
 #: The pending-bytes figure that first gets a warning; then each doubling.
 WARN_BYTES: Final = 1 << 20
 
@@ -60,15 +73,27 @@ def encode_row(row: UsageRow) -> bytes:
     return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
+def encode_start(row: UsageRow) -> bytes:
+    """A "started" record: the row a stream cut now would get."""
+    payload = orjson.dumps({"started": attrs.asdict(row)})
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
 def read_segment(path: Path) -> list[UsageRow]:
-    """The rows of one segment, in order; a torn or corrupt record ends it
-    (logged, the rest of that file skipped).
+    """The rows of one segment, in order (:func:`read_records`' rows)."""
+    return read_records(path)[0]
+
+
+def read_records(path: Path) -> tuple[list[UsageRow], list[UsageRow]]:
+    """The rows and the "started" records of one segment, each in order; a
+    torn or corrupt record ends it (logged, the rest of that file skipped).
 
     Raises:
         OSError: the file cannot be read.
     """
     data = path.read_bytes()
     rows: list[UsageRow] = []
+    starts: list[UsageRow] = []
     offset = 0
     end = len(data)
     while offset < end:
@@ -82,11 +107,15 @@ def read_segment(path: Path) -> list[UsageRow]:
             log.warning("%s: torn or corrupt record at byte %d skipped", path.name, offset)
             break
         try:
-            rows.append(UsageRow(**orjson.loads(payload)))
+            doc = orjson.loads(payload)
+            if "started" in doc:
+                starts.append(UsageRow(**doc["started"]))
+            else:
+                rows.append(UsageRow(**doc))
         except (orjson.JSONDecodeError, TypeError) as exc:
             log.warning("%s: unreadable row at byte %d skipped (%s)", path.name, offset, exc)
         offset = start + length
-    return rows
+    return rows, starts
 
 
 class UsageJournal:
@@ -107,6 +136,11 @@ class UsageJournal:
         self._closed_bytes = sum(p.stat().st_size for p in existing)
         self._number = max((int(p.stem) for p in existing), default=0) + 1
         self._file = self._open(self._number)
+        #: Segments numbered below this were left by an earlier process.
+        self.first_live = self._number
+        #: Streams under way: request id → the row a cut now would get.
+        self._in_flight: dict[str, Callable[[], UsageRow]] = {}
+        self._progress_at = 0.0
         self._active_bytes = 0
         self._group: list[bytes] = []
         self._group_done = trio.Event()
@@ -142,13 +176,27 @@ class UsageJournal:
     def active_bytes(self) -> int:
         return self._active_bytes
 
+    def begin(self, request_id: str, snapshot: Callable[[], UsageRow]) -> None:
+        """Note a stream under way: a "started" record of ``snapshot()`` now
+        (not waited for), again in each new segment with the tokens seen by
+        then, until its row is appended. On the next start, a stream of a
+        crashed process with no row gets its last snapshot as its row."""
+        self._in_flight[request_id] = snapshot
+        self._group.append(encode_start(snapshot()))
+        self._wake.set()
+
     def append(self, row: UsageRow) -> trio.Event:
         """Add ``row`` to the group being gathered; the returned event is set
         once the group is on the disk (or could not be written: logged and
         counted in ``llmgw_usage_dropped_total``)."""
+        self._in_flight.pop(row.request_id, None)
         self._group.append(encode_row(row))
         self._wake.set()
         return self._group_done
+
+    def crashed_segments(self) -> list[Path]:
+        """The closed segments an earlier process left, oldest first."""
+        return [p for p in self.closed_segments() if int(p.stem) < self.first_live]
 
     async def commit(self) -> None:
         """Write and sync the group gathered now (nothing when empty), then
@@ -172,8 +220,19 @@ class UsageJournal:
                 done.set()
 
     async def wait_for_work(self) -> None:
-        await self._wake.wait()
+        """Until rows wait, or (with streams under way) their progress is due."""
+        with trio.move_on_at(self._progress_at if self._in_flight else math.inf):
+            await self._wake.wait()
         self._wake = trio.Event()
+
+    def note_progress(self) -> None:
+        """Every :data:`PROGRESS_S`, a "started" record of each stream under
+        way, with its tokens so far, into the group being gathered."""
+        now = trio.current_time()
+        if now < self._progress_at:
+            return
+        self._progress_at = now + PROGRESS_S
+        self._group.extend(encode_start(snapshot()) for snapshot in self._in_flight.values())
 
     async def rotate(self) -> None:
         """Close the active segment (when it holds anything) and start a new one.
@@ -190,6 +249,13 @@ class UsageJournal:
             os.close(old)
             self._closed_bytes += self._active_bytes
             self._active_bytes = 0
+            # The streams under way start again in the new segment (with
+            # their tokens so far), on disk before the old one may go.
+            starts = b"".join(encode_start(snapshot()) for snapshot in self._in_flight.values())
+            if starts:
+                await trio.to_thread.run_sync(_write_and_sync, self._file, starts)
+                self._active_bytes += len(starts)
+                self._update_gauge()
 
     def delete(self, segment: Path) -> None:
         """Delete a closed segment whose rows are in the store."""
@@ -241,6 +307,7 @@ async def serve_journal_committer(
     try:
         while True:
             await journal.wait_for_work()
+            journal.note_progress()
             await journal.commit()
     finally:
         with trio.CancelScope(shield=True):

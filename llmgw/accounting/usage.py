@@ -12,7 +12,8 @@ With a :class:`~llmgw.accounting.journal.UsageJournal` the rows do not wait
 in memory: :meth:`UsageWriter.record` appends each to the journal and returns
 the event set once it is on disk, and the writer reads the journal's closed
 segments back into the store, deleting each once its rows are stored (rows
-of a crashed process included). While the store fails the rows wait in the
+of a crashed process included, and a cut row for each of its streams left
+unfinished). While the store fails the rows wait in the
 journal, bounded by the disk.
 """
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from typing import Final, NoReturn
 
 import trio
@@ -27,7 +30,7 @@ import trio
 from llmgw import metrics
 from llmgw.store import Store, StoreError, UsageRow
 
-from .journal import UsageJournal, read_segment
+from .journal import UsageJournal, read_records, read_segment
 
 __all__ = ["UsageWriter", "serve_usage_writer"]
 
@@ -78,6 +81,11 @@ class UsageWriter:
             self._wake.set()
         return None
 
+    def begin(self, request_id: str, snapshot: Callable[[], UsageRow]) -> None:
+        """A stream under way (:meth:`UsageJournal.begin`); nothing without a journal."""
+        if self.journal is not None:
+            self.journal.begin(request_id, snapshot)
+
     def __len__(self) -> int:
         return len(self._rows)
 
@@ -95,6 +103,13 @@ class UsageWriter:
                 # Caught up (or the active segment is large): close the
                 # active segment so its rows can be written.
                 await journal.rotate()
+            crashed = journal.crashed_segments()
+            if crashed:
+                rows = await trio.to_thread.run_sync(_replay, crashed)
+                for start in range(0, len(rows), self.batch_size):
+                    await store.insert_usage(rows[start : start + self.batch_size])
+                for segment in crashed:
+                    journal.delete(segment)
             for segment in journal.closed_segments():
                 rows = await trio.to_thread.run_sync(read_segment, segment)
                 for start in range(0, len(rows), self.batch_size):
@@ -112,6 +127,23 @@ class UsageWriter:
         with trio.move_on_after(timeout_s):
             await self._wake.wait()
         self._wake = trio.Event()
+
+
+def _replay(segments: list[Path]) -> list[UsageRow]:
+    """The rows of an earlier process's segments, and a row for each stream
+    it started and never finished (its last "started" record)."""
+    rows: list[UsageRow] = []
+    starts: dict[str, UsageRow] = {}
+    for segment in segments:
+        found, started = read_records(segment)
+        rows += found
+        for row in started:
+            starts[row.request_id] = row
+    for row in rows:
+        starts.pop(row.request_id, None)
+    if starts:
+        log.warning("%d streams cut by a crash recorded as cut (503)", len(starts))
+    return rows + list(starts.values())
 
 
 async def serve_usage_writer(

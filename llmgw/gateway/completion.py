@@ -227,6 +227,9 @@ class Completions:
                 headers=scope["headers"],
                 permits=permits,
             )
+            if stream:
+                # Kept in the usage journal: a crash cutting it still leaves its row.
+                self._recorder.begin(request, outcome, self._cluster.models)
             refusal: LlmgwError | None = None
             with trio.CancelScope() as watch:
                 async with trio.open_nursery() as nursery:

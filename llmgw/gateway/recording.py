@@ -15,6 +15,7 @@ from llmgw.accounting.usage import UsageWriter
 from llmgw.store import UsageRow
 
 from .request import Outcome, Request
+from .sse import Usage
 
 __all__ = ["Recorder"]
 
@@ -80,27 +81,59 @@ class Recorder:
                 )
             else:
                 self._accountant.release(reservation, now)
-        project_id, team_id, org_id = request.scope_ids
         return self._usage.record(
-            UsageRow(
-                request_id=request.request_id,
-                created_at=time.time(),
-                key_id=key.id,
-                model=label or request.model[:200],
-                served_model=served if served != label else "",
-                status=status,
-                prompt_tokens=usage.prompt_tokens if usage else 0,
-                cached_tokens=usage.cached_tokens if usage else 0,
-                completion_tokens=usage.completion_tokens if usage else 0,
-                cost_micros=cost_micros,
-                duration_ms=round(duration_s * 1000, 3),
-                ttft_ms=None if ttft_s is None else round(ttft_s * 1000, 3),
-                replica_id=outcome.replica,
-                stream=request.stream,
-                endpoint=request.kind,
-                project_id=project_id,
-                team_id=team_id,
-                org_id=org_id,
-                cache_hit=outcome.cache_hit,
-            )
+            _row(request, outcome, catalog, status=status, usage=usage, cost_micros=cost_micros)
         )
+
+    def begin(self, request: Request, outcome: Outcome, catalog: Container[str]) -> None:
+        """A stream with a key starts: the usage journal keeps the row it
+        would get if a crash cut it (status 503, the tokens seen so far, no
+        cost) until its own row is recorded."""
+        if request.key is None or not self._accounting:
+            return
+
+        def snapshot() -> UsageRow:
+            progress = outcome.progress
+            usage = outcome.usage or (progress() if progress is not None else None)
+            return _row(request, outcome, catalog, status=503, usage=usage, cost_micros=0)
+
+        self._usage.begin(request.request_id, snapshot)
+
+
+def _row(
+    request: Request,
+    outcome: Outcome,
+    catalog: Container[str],
+    *,
+    status: int,
+    usage: Usage | None,
+    cost_micros: int,
+) -> UsageRow:
+    key = request.key
+    assert key is not None
+    label = request.model if request.model in catalog else ""
+    served = outcome.served or label
+    ttft_s = outcome.ttft_s
+    duration_s = time.perf_counter() - request.started
+    project_id, team_id, org_id = request.scope_ids
+    return UsageRow(
+        request_id=request.request_id,
+        created_at=time.time(),
+        key_id=key.id,
+        model=label or request.model[:200],
+        served_model=served if served != label else "",
+        status=status,
+        prompt_tokens=usage.prompt_tokens if usage else 0,
+        cached_tokens=usage.cached_tokens if usage else 0,
+        completion_tokens=usage.completion_tokens if usage else 0,
+        cost_micros=cost_micros,
+        duration_ms=round(duration_s * 1000, 3),
+        ttft_ms=None if ttft_s is None else round(ttft_s * 1000, 3),
+        replica_id=outcome.replica,
+        stream=request.stream,
+        endpoint=request.kind,
+        project_id=project_id,
+        team_id=team_id,
+        org_id=org_id,
+        cache_hit=outcome.cache_hit,
+    )

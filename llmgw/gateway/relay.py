@@ -16,6 +16,7 @@ the whole answer (then cut, 504).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Final, Protocol
@@ -307,6 +308,7 @@ class Relay:
         keep: CacheSlot | None,
     ) -> None:
         shape = _stream_shape(request)
+        outcome.progress = functools.partial(_stream_usage, request, shape)
         await send(
             {
                 "type": "http.response.start",

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -15,6 +16,7 @@ from llmgw import metrics
 from llmgw.accounting.journal import (
     UsageJournal,
     encode_row,
+    read_records,
     read_segment,
     serve_journal_committer,
 )
@@ -209,3 +211,78 @@ async def test_a_quiet_writer_leaves_only_an_empty_active_segment(
     assert journal.pending_bytes == 0
     journal.close()
     assert len(await stored_ids(store)) == 5
+
+
+async def test_a_stream_cut_by_a_crash_gets_its_last_started_record_as_its_row(
+    tmp_path: Path, store: Store
+) -> None:
+    directory = tmp_path / "j"
+    crashed = UsageJournal(directory)
+    tokens = [0]
+
+    def snapshot(n: int) -> UsageRow:
+        return attrs.evolve(row(n), status=503, completion_tokens=tokens[0])
+
+    crashed.begin(row(1).request_id, lambda: snapshot(1))  # finishes
+    crashed.begin(row(2).request_id, lambda: snapshot(2))  # cut by the crash
+    await crashed.commit()
+    crashed.append(row(1))
+    await crashed.commit()
+    tokens[0] = 7
+    await crashed.rotate()  # stream 2 starts again in the new segment, 7 tokens seen
+    for segment in crashed.closed_segments():
+        crashed.delete(segment)  # as the writer does once the store has its rows
+    crashed.close()
+    journal = UsageJournal(directory)
+    assert len(journal.crashed_segments()) == 1
+    await UsageWriter(journal=journal).flush(store)
+    journal.close()
+    stored = {r.request_id: r for r in await store.list_usage(last=100)}
+    assert set(stored) == {row(2).request_id}  # row 1 went with the deleted segment
+    cut = stored[row(2).request_id]
+    assert (cut.status, cut.completion_tokens) == (503, 7)
+
+
+async def test_a_finished_stream_gets_no_cut_row(tmp_path: Path, store: Store) -> None:
+    directory = tmp_path / "j"
+    crashed = UsageJournal(directory)
+    crashed.begin(row(1).request_id, lambda: attrs.evolve(row(1), status=503))
+    crashed.append(row(1))
+    await crashed.commit()
+    crashed.close()
+    journal = UsageJournal(directory)
+    await UsageWriter(journal=journal).flush(store)
+    journal.close()
+    (stored,) = await store.list_usage(last=100)
+    assert stored.status == 200
+
+
+async def test_the_committer_writes_the_tokens_of_streams_under_way(
+    tmp_path: Path, store: Store
+) -> None:
+    directory = tmp_path / "j"
+    crashed = UsageJournal(directory)
+    tokens = [0]
+    crashed.begin(
+        row(3).request_id, lambda: attrs.evolve(row(3), status=503, completion_tokens=tokens[0])
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_journal_committer, crashed)
+        for seen in (5, 9):
+            tokens[0] = seen
+            # The committer wakes by itself every PROGRESS_S while a stream is under way.
+            with trio.fail_after(10):
+                while _most_tokens(directory) < seen:  # noqa: ASYNC110 -- the file is watched
+                    await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    crashed.close()
+    journal = UsageJournal(directory)
+    await UsageWriter(journal=journal).flush(store)
+    journal.close()
+    (cut,) = await store.list_usage(last=100)
+    assert (cut.status, cut.completion_tokens) == (503, 9)
+
+
+def _most_tokens(directory: Path) -> int:
+    starts = [s for p in segments(directory) for s in read_records(p)[1]]
+    return max((s.completion_tokens for s in starts), default=-1)

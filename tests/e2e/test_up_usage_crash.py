@@ -28,6 +28,8 @@ class Load:
         self.base_url = base_url
         self.key = key
         self.ended: set[str] = set()
+        #: Streams whose head came but whose end never did.
+        self.cut: set[str] = set()
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.threads = [
@@ -65,7 +67,8 @@ class Load:
         return {
             "model": MODEL,
             "messages": [{"role": "user", "content": "count to ten"}],
-            "max_tokens": 16,
+            # Streams long enough to be cut with tokens seen.
+            "max_tokens": 128 if stream else 16,
             "stream": stream,
         }
 
@@ -77,9 +80,15 @@ class Load:
         with http.stream("POST", url, json=self._body(True), headers=self._headers()) as answer:
             if answer.status_code != 200:
                 return None
-            for line in answer.iter_lines():
-                if line == "data: [DONE]":
-                    return answer.headers["x-request-id"]
+            request_id = answer.headers["x-request-id"]
+            try:
+                for line in answer.iter_lines():
+                    if line == "data: [DONE]":
+                        return str(request_id)
+            except httpx.HTTPError:
+                pass
+            with self.lock:
+                self.cut.add(request_id)
         return None
 
     def _whole(self, http: httpx.Client) -> str | None:
@@ -112,6 +121,7 @@ def test_no_usage_row_is_lost_when_llmgw_is_killed_under_load(
     assert made.returncode == 0, made.stderr
     key = json.loads(made.stdout)["key"]
     ended: set[str] = set()
+    cut: set[str] = set()
     # Killed at three moments of the load: early, later, and well into it.
     for kill_after in (5, 40, 120):
         with Load(up.base_url, key) as load:
@@ -119,6 +129,7 @@ def test_no_usage_row_is_lost_when_llmgw_is_killed_under_load(
             up.process.send_signal(signal.SIGKILL)
             up.process.wait(timeout=30)
         ended |= load.ended
+        cut |= load.cut
         (data / "run.json").unlink(missing_ok=True)  # the killed process's
         # The same data directory, the same engine ports (the engines live on).
         up = start_up(*args, "--engine-ports", ports)
@@ -128,6 +139,12 @@ def test_no_usage_row_is_lost_when_llmgw_is_killed_under_load(
     # Rows of the journal are written by the process started after each kill.
     _wait_stored(up, data, ended)
     assert len(ended) >= 165
+    # Streams cut by the kills are recorded as cut (503), with the tokens
+    # seen; one whose "started" record was not yet synced has none.
+    cut_rows = _stored_rows(data, cut)
+    print(f"{len(cut_rows)} of {len(cut)} cut streams recorded:", sorted(cut_rows.values()))
+    assert cut_rows, f"none of {len(cut)} cut streams recorded"
+    assert {status for status, _ in cut_rows.values()} == {503}
     up.stop()
     journal = data / "usage-journal"
     assert all(p.stat().st_size == 0 for p in journal.glob("*.seg"))
@@ -169,6 +186,16 @@ def test_rows_wait_in_the_journal_while_the_store_is_locked_and_survive_a_kill(
     up.wait_ready()
     _wait_stored(up, data, ended)
     up.stop()
+
+
+def _stored_rows(data_dir: Path, ids: set[str]) -> dict[str, tuple[int, int]]:
+    """Request id → (status, completion tokens) of those of ``ids`` stored."""
+    db = sqlite3.connect(data_dir / "llmgw.db", timeout=30)
+    try:
+        found = db.execute("SELECT request_id, status, completion_tokens FROM usage").fetchall()
+    finally:
+        db.close()
+    return {r[0]: (r[1], r[2]) for r in found if r[0] in ids}
 
 
 def _journal_bytes(up: Any) -> float:
