@@ -177,13 +177,14 @@ class UsageJournal:
         return self._active_bytes
 
     def begin(self, request_id: str, snapshot: Callable[[], UsageRow]) -> None:
-        """Note a stream under way: a "started" record of ``snapshot()`` now
-        (not waited for), again in each new segment with the tokens seen by
+        """Note a stream under way: a "started" record of ``snapshot()`` in
+        the next group (not waited for, no sync of its own), again in each new segment with the tokens seen by
         then, until its row is appended. On the next start, a stream of a
         crashed process with no row gets its last snapshot as its row."""
         self._in_flight[request_id] = snapshot
+        # It rides with the next group (another row's, or the progress tick
+        # at most PROGRESS_S away): a start costs no sync of its own.
         self._group.append(encode_start(snapshot()))
-        self._wake.set()
 
     def append(self, row: UsageRow) -> trio.Event:
         """Add ``row`` to the group being gathered; the returned event is set
