@@ -70,3 +70,8 @@ USAGE_DROPPED: Final = Counter(
 USAGE_WRITE_FAILURES: Final = Counter(
     "llmgw_usage_write_failures", "Failed attempts to write a usage batch.", registry=REGISTRY
 )
+USAGE_JOURNAL_BYTES: Final = Gauge(
+    "llmgw_usage_journal_bytes",
+    "Bytes of usage rows in the local journal not yet known to be in the store.",
+    registry=REGISTRY,
+)

@@ -7,18 +7,30 @@ When the store fails, the batch is kept and written again later
 (``insert_usage`` skips request ids already stored, so a retry never counts
 twice); rows are dropped only when the buffer is full, and counted in
 ``llmgw_usage_dropped_total``. At shutdown the buffer is flushed.
+
+With a :class:`~llmgw.accounting.journal.UsageJournal` the rows do not wait
+in memory: :meth:`UsageWriter.record` appends each to the journal and returns
+the event set once it is on disk, and the writer reads the journal's closed
+segments back into the store, deleting each once its rows are stored (rows
+of a crashed process included, and a cut row for each of its streams left
+unfinished). While the store fails the rows wait in the
+journal, bounded by the disk.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from typing import Final, NoReturn
 
 import trio
 
 from llmgw import metrics
 from llmgw.store import Store, StoreError, UsageRow
+
+from .journal import UsageJournal, read_records, read_segment
 
 __all__ = ["UsageWriter", "serve_usage_writer"]
 
@@ -31,30 +43,48 @@ BUFFER_SIZE: Final = 100_000
 RETRY_MAX_S: Final = 30.0
 #: The final flush at shutdown gets this long.
 SHUTDOWN_FLUSH_S: Final = 10.0
+#: While the store is behind, the journal's active segment is closed at this size.
+SEGMENT_BYTES: Final = 4 << 20
 
 
 class UsageWriter:
     """A bounded buffer of usage rows waiting for the store."""
 
-    def __init__(self, *, buffer_size: int = BUFFER_SIZE, batch_size: int = BATCH_SIZE) -> None:
+    def __init__(
+        self,
+        *,
+        buffer_size: int = BUFFER_SIZE,
+        batch_size: int = BATCH_SIZE,
+        journal: UsageJournal | None = None,
+    ) -> None:
         self._rows: deque[UsageRow] = deque()
+        self.journal = journal
         self._buffer_size = buffer_size
         self._wake = trio.Event()
         self.batch_size = batch_size
 
-    def record(self, row: UsageRow) -> bool:
-        """Queue ``row``; ``False`` (and a dropped-row count) when the buffer is full."""
+    def record(self, row: UsageRow) -> trio.Event | None:
+        """Queue ``row``. With a journal: the event set once the row is on
+        disk. Without: ``None`` (and a dropped-row count when the buffer is
+        full)."""
+        if self.journal is not None:
+            return self.journal.append(row)
         if len(self._rows) >= self._buffer_size:
             metrics.USAGE_DROPPED.inc()
             log.error(
                 "usage buffer full (%d rows): row %s dropped", self._buffer_size, row.request_id
             )
-            return False
+            return None
         self._rows.append(row)
         metrics.USAGE_QUEUE_DEPTH.set(len(self._rows))
         if len(self._rows) >= self.batch_size:
             self._wake.set()
-        return True
+        return None
+
+    def begin(self, request_id: str, snapshot: Callable[[], UsageRow]) -> None:
+        """A stream under way (:meth:`UsageJournal.begin`); nothing without a journal."""
+        if self.journal is not None:
+            self.journal.begin(request_id, snapshot)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -63,8 +93,29 @@ class UsageWriter:
         """Write everything queued now, batch by batch.
 
         Raises:
-            StoreError: the store failed; the failed batch stays queued.
+            StoreError: the store failed; the failed batch stays queued (with
+                a journal: its segment stays).
+            OSError: a journal segment could not be read or deleted.
         """
+        journal = self.journal
+        if journal is not None:
+            if not journal.closed_segments() or journal.active_bytes >= SEGMENT_BYTES:
+                # Caught up (or the active segment is large): close the
+                # active segment so its rows can be written.
+                await journal.rotate()
+            crashed = journal.crashed_segments()
+            if crashed:
+                rows = await trio.to_thread.run_sync(_replay, crashed)
+                for start in range(0, len(rows), self.batch_size):
+                    await store.insert_usage(rows[start : start + self.batch_size])
+                for segment in crashed:
+                    journal.delete(segment)
+            for segment in journal.closed_segments():
+                rows = await trio.to_thread.run_sync(read_segment, segment)
+                for start in range(0, len(rows), self.batch_size):
+                    await store.insert_usage(rows[start : start + self.batch_size])
+                journal.delete(segment)
+            return
         while self._rows:
             batch = [self._rows[i] for i in range(min(self.batch_size, len(self._rows)))]
             await store.insert_usage(batch)
@@ -76,6 +127,23 @@ class UsageWriter:
         with trio.move_on_after(timeout_s):
             await self._wake.wait()
         self._wake = trio.Event()
+
+
+def _replay(segments: list[Path]) -> list[UsageRow]:
+    """The rows of an earlier process's segments, and a row for each stream
+    it started and never finished (its last "started" record)."""
+    rows: list[UsageRow] = []
+    starts: dict[str, UsageRow] = {}
+    for segment in segments:
+        found, started = read_records(segment)
+        rows += found
+        for row in started:
+            starts[row.request_id] = row
+    for row in rows:
+        starts.pop(row.request_id, None)
+    if starts:
+        log.warning("%d streams cut by a crash recorded as cut (503)", len(starts))
+    return rows + list(starts.values())
 
 
 async def serve_usage_writer(
@@ -99,9 +167,15 @@ async def serve_usage_writer(
             await writer.wait_for_work(retry_s if failing else flush_interval_s)
             try:
                 await writer.flush(store)
-            except StoreError as exc:
+            except (StoreError, OSError) as exc:
                 retry_s = min(retry_s * 2, RETRY_MAX_S) if failing else flush_interval_s
-                if not failing:
+                if not failing and writer.journal is not None:
+                    log.error(
+                        "usage rows not written (%s); %d bytes kept in the journal, retrying",
+                        exc,
+                        writer.journal.pending_bytes,
+                    )
+                elif not failing:
                     log.error("usage rows not written (%s); %d kept, retrying", exc, len(writer))
                 failing = True
                 metrics.USAGE_WRITE_FAILURES.inc()
@@ -113,5 +187,8 @@ async def serve_usage_writer(
         with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_FLUSH_S):
             try:
                 await writer.flush(store)
-            except StoreError as exc:
-                log.error("usage rows lost at shutdown: %d (%s)", len(writer), exc)
+            except (StoreError, OSError) as exc:
+                if writer.journal is not None:
+                    log.error("usage rows left in the journal at shutdown (%s)", exc)
+                else:
+                    log.error("usage rows lost at shutdown: %d (%s)", len(writer), exc)

@@ -1,5 +1,5 @@
 """The control plane's nursery: gateway, admin API, metrics, agents' hub,
-live settings, usage writer, replicas' engine metrics and (while leading)
+live settings, usage journal and writer, replicas' engine metrics and (while leading)
 the reconciler, wired together over one store and one :class:`Cluster`.
 
 ``serve_control_plane`` is what ``llmgw up`` runs. Its stop is graceful:
@@ -21,6 +21,7 @@ from prometheus_client import make_asgi_app
 
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant, restore_budgets
+from llmgw.accounting.journal import UsageJournal, serve_journal_committer
 from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.admin.app import make_admin_app
@@ -31,6 +32,7 @@ from llmgw.control.cluster import Cluster
 from llmgw.control.hub import serve_agent_hub
 from llmgw.control.live import LiveSettings, serve_settings
 from llmgw.control.reconciler import PortRange
+from llmgw.errors import StoreError
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
 from llmgw.router.engine_metrics import serve_engine_metrics
@@ -46,6 +48,8 @@ log = logging.getLogger("llmgw.control")
 
 #: Requests in flight get this long to finish after a stop, in seconds.
 GRACE_S: Final = 10.0
+#: The usage journal's folder, in the data directory.
+JOURNAL_DIR: Final = "usage-journal"
 
 
 @attrs.frozen(kw_only=True)
@@ -60,7 +64,7 @@ class ServerConfig:
     grace_s: float = GRACE_S
     #: The seed of the live settings (``server.yaml``); the store's document wins.
     settings: ServerSettings = attrs.field(factory=ServerSettings)
-    #: Where weights live (model purge); ``None`` = the SQLite store's folder.
+    #: Where weights and the usage journal live; ``None`` = the SQLite store's folder.
     data_dir: Path | None = None
 
 
@@ -117,8 +121,23 @@ async def serve_control_plane(
         default_rpm=auth.default_rpm,
         default_tpm=auth.default_tpm,
     )
+    store_path = getattr(store, "path", None)
+    data_dir = config.data_dir or (Path(store_path).parent if store_path is not None else None)
+    # Usage rows are durable in a local journal before a client gets the end
+    # of its answer; without a data directory (a store in memory) they wait
+    # in memory for the writer.
+    journal = UsageJournal(data_dir / JOURNAL_DIR) if data_dir is not None else None
+    usage = UsageWriter(buffer_size=auth.buffer_size, batch_size=auth.batch_size, journal=journal)
+    if journal is not None and journal.closed_segments():
+        # A crashed process's rows go into the store before the budgets are
+        # read back from it, so its spend counts.
+        try:
+            await usage.flush(store)
+        except (StoreError, OSError) as exc:
+            log.error("usage journal not replayed yet (%s); the usage writer retries", exc)
+        else:
+            log.info("usage journal replayed into the store")
     await restore_budgets(store, accountant)
-    usage = UsageWriter(buffer_size=auth.buffer_size, batch_size=auth.batch_size)
     gateway = Gateway(
         authenticator=authenticator,
         cluster=cluster,
@@ -128,8 +147,6 @@ async def serve_control_plane(
     )
     keys_service = KeysService(store, authenticator, resolver, auth, accountant)
     live = LiveSettings(store, cluster)
-    store_path = getattr(store, "path", None)
-    data_dir = config.data_dir or (Path(store_path).parent if store_path is not None else None)
     admin = make_admin_app(
         store, cluster, authenticator, keys_service, live=live, data_dir=data_dir
     )
@@ -140,6 +157,8 @@ async def serve_control_plane(
         # Every control plane keeps its settings live, leader or not; the
         # store's document (seeded once from server.yaml) wins over the file.
         await services.start(partial(serve_settings, store, cluster, config.settings, live=live))
+        if journal is not None:
+            await services.start(serve_journal_committer, journal)
         await services.start(
             partial(serve_usage_writer, usage, store, flush_interval_s=auth.flush_interval)
         )
@@ -172,3 +191,5 @@ async def serve_control_plane(
         await gateway.aclose()
         await release_leadership(store, holder)
         services.cancel_scope.cancel()
+    if journal is not None:
+        journal.close()

@@ -24,7 +24,7 @@ import trio
 
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant
-from llmgw.asgi import Receive, Scope, Send, cancel_on_disconnect
+from llmgw.asgi import Message, Receive, Scope, Send, cancel_on_disconnect
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.errors import LlmgwError, Refused, StoreError
@@ -115,6 +115,36 @@ class Completions:
         scope_ids = NO_SCOPE
         rate_headers: tuple[tuple[bytes, bytes], ...] = ()
         client_left = False
+        recorded = False
+
+        def whole_request() -> Request:
+            return request or Request(
+                kind=kind,
+                request_id=request_id,
+                started=started,
+                key=key,
+                model=model_name,
+                stream=stream,
+                scope_ids=scope_ids,
+            )
+
+        async def send_end(message: Message) -> None:
+            # The body message that carries the end of the answer (the relay
+            # finishes the outcome just before it) waits until the usage row
+            # is durable: a client that has its whole answer has its row.
+            nonlocal recorded
+            if (
+                not recorded
+                and outcome.finished
+                and key is not None
+                and message["type"] == "http.response.body"
+            ):
+                recorded = True
+                durable = self._recorder.record(whole_request(), outcome, self._cluster.models)
+                if durable is not None:
+                    await durable.wait()
+            await send(message)
+
         metrics.IN_FLIGHT.inc()
         try:
             key = await authenticate(self._auth, scope)
@@ -197,12 +227,15 @@ class Completions:
                 headers=scope["headers"],
                 permits=permits,
             )
+            if stream:
+                # Kept in the usage journal: a crash cutting it still leaves its row.
+                self._recorder.begin(request, outcome, self._cluster.models)
             refusal: LlmgwError | None = None
             with trio.CancelScope() as watch:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(cancel_on_disconnect, receive, watch)
                     try:
-                        await self._serve(send, scope, settings, request, route, outcome)
+                        await self._serve(send_end, scope, settings, request, route, outcome)
                     except LlmgwError as exc:
                         refusal = exc  # raised out here, not in a group
                     nursery.cancel_scope.cancel()
@@ -211,14 +244,14 @@ class Completions:
             client_left = watch.cancelled_caught
         except LlmgwError as exc:
             error = api_error(exc)
+            outcome.finish(error.status)
+            outcome.usage = None
             await answer(
-                send,
+                send_end,
                 error.status,
                 error_body_for(error, kind),
                 (*error.headers, *rate_headers, (b"x-request-id", request_id.encode())),
             )
-            outcome.finish(error.status)
-            outcome.usage = None
         finally:
             metrics.IN_FLIGHT.dec()
             if not outcome.finished and key is not None:
@@ -226,18 +259,9 @@ class Completions:
                 # it (503, a cancellation): what was generated is still
                 # charged and recorded.
                 outcome.finish(499 if client_left else 503)
-            if outcome.finished:
-                if request is None:
-                    request = Request(
-                        kind=kind,
-                        request_id=request_id,
-                        started=started,
-                        key=key,
-                        model=model_name,
-                        stream=stream,
-                        scope_ids=scope_ids,
-                    )
-                self._recorder.record(request, outcome, self._cluster.models)
+            if outcome.finished and not recorded:
+                # Not awaited: a cut answer's row is durable with the next group.
+                self._recorder.record(whole_request(), outcome, self._cluster.models)
 
     async def _serve(
         self,

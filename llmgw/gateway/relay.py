@@ -17,6 +17,7 @@ for the whole answer (then cut, 504).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Final, Protocol
@@ -308,6 +309,7 @@ class Relay:
         keep: CacheSlot | None,
     ) -> None:
         shape = _stream_shape(request)
+        outcome.progress = functools.partial(_stream_usage, request, shape)
         await send(
             {
                 "type": "http.response.start",
@@ -327,7 +329,10 @@ class Relay:
                     if shape.done:
                         # The answer is complete once its end is on its way:
                         # a client may close right after it got everything.
+                        # Its usage is known now: the send of this end waits
+                        # for the usage row to be durable (completion.py).
                         outcome.finish(200)
+                        outcome.usage = _stream_usage(request, shape)
                     if kept is not None:
                         kept_bytes += len(out)
                         kept = kept if kept_bytes <= limit else None
@@ -337,6 +342,7 @@ class Relay:
             ended = shape.done
             rest = shape.finish()
             outcome.finish(200)
+            outcome.usage = _stream_usage(request, shape)
             await send({"type": "http.response.body", "body": rest, "more_body": False})
             if kept is not None and keep is not None and ended:
                 kept.append(rest)
@@ -363,12 +369,16 @@ class Relay:
             # Counted even when the answer was cut short: the client is charged
             # for what was generated, and for its prompt as estimated when the
             # engine's own count never came.
-            usage = shape.usage
-            if usage is None and shape.content_chunks:
-                usage = Usage(
-                    prompt_tokens=request.prompt_estimate, completion_tokens=shape.content_chunks
-                )
-            outcome.usage = usage
+            outcome.usage = _stream_usage(request, shape)
+
+
+def _stream_usage(request: Request, shape: _StreamShape) -> Usage | None:
+    """The engine's usage, or the prompt as estimated and the content
+    chunks seen when its own count never came."""
+    usage = shape.usage
+    if usage is None and shape.content_chunks:
+        usage = Usage(prompt_tokens=request.prompt_estimate, completion_tokens=shape.content_chunks)
+    return usage
 
 
 def _stream_shape(request: Request) -> _StreamShape:

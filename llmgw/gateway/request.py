@@ -4,6 +4,7 @@ of it (:class:`Request`, frozen once checked) and how it ended
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
@@ -85,9 +86,19 @@ class Outcome:
         served: the model that answered (a fallback's name when one did).
         replica: the endpoint that answered (``cache`` for a cached answer).
         cache_hit: answered from the answer cache.
+        progress: a stream under way: the tokens seen so far (set by the relay).
     """
 
-    __slots__ = ("cache_hit", "finished", "replica", "served", "status", "ttft_s", "usage")
+    __slots__ = (
+        "cache_hit",
+        "finished",
+        "progress",
+        "replica",
+        "served",
+        "status",
+        "ttft_s",
+        "usage",
+    )
 
     def __init__(self) -> None:
         self.status = 0
@@ -97,6 +108,7 @@ class Outcome:
         self.served = ""
         self.replica = ""
         self.cache_hit = False
+        self.progress: Callable[[], Usage | None] | None = None
 
     def finish(self, status: int) -> None:
         """Settle the status, unless it is settled already."""

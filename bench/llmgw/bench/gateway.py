@@ -10,7 +10,8 @@ instead of a reconciler and agents. Modes (figures in ``docs/performance.md``,
 - ``accounted``: what ``llmgw up`` does per request: the key's path in the
   tenancy tree, its rate limits and budgets checked and settled at every
   level (set high enough never to refuse), the cost at a price, and a usage
-  row written by the batching writer into a SQLite store.
+  row made durable in the usage journal (one fdatasync per group) and
+  written by the batching writer into a SQLite store.
 
 On start it prints one JSON line to stdout: ``{"listen": "HOST:PORT",
 "key": "sk-llmgw-…", "pid": N}``; it runs until SIGTERM or SIGINT.
@@ -31,6 +32,7 @@ import attrs
 import trio
 
 from llmgw.accounting.accountant import Accountant
+from llmgw.accounting.journal import UsageJournal, serve_journal_committer
 from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.auth.keys import KeyAuthenticator, new_key
@@ -113,8 +115,11 @@ async def run_bench_gateway(
                 ]
             }
         )
-        usage = UsageWriter()
         accounted = mode == "accounted"
+        # As `llmgw up` runs it: each row made durable in the usage journal
+        # before the end of its answer goes out.
+        journal = UsageJournal(data_dir / "usage-journal") if accounted else None
+        usage = UsageWriter(journal=journal)
         gateway = Gateway(
             authenticator=KeyAuthenticator(store),
             cluster=cluster,
@@ -125,7 +130,8 @@ async def run_bench_gateway(
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, stop)
-            if mode == "accounted":
+            if journal is not None:
+                await nursery.start(serve_journal_committer, journal)
                 await nursery.start(serve_usage_writer, usage, store)
             async with trio.open_nursery() as listeners:
                 address = await listeners.start(serve_http1, gateway, listen, stop, 2.0)

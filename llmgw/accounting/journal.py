@@ -1,0 +1,315 @@
+"""The usage journal: usage rows made durable on local disk before a client
+gets the end of its answer (``docs/up.md``, "Usage that survives a crash").
+
+Files: ``<data dir>/usage-journal/<n>.seg``, ``n`` rising. Each segment is
+append-only; a record is ``>II`` (payload length in bytes, CRC-32 of the
+payload) then the payload, one usage row as JSON. A torn or corrupt last
+record (a crash mid-write) fails its length or checksum and is skipped with
+everything after it in that segment.
+
+Group commit: :meth:`UsageJournal.append` (synchronous, never blocks)
+encodes a row into the group being gathered and returns that group's
+:class:`trio.Event`. :func:`serve_journal_committer` writes each group
+with one ``write`` and one ``os.fdatasync`` in a worker thread, then sets
+the group's event: every answer waiting on it is released at once. Rows
+appended while a group is being synced form the next group.
+
+What a crash costs: a row whose event was set is on the disk (``fdatasync``
+returned), so neither a kill of the process nor a power loss (on a disk
+that honours flushes) loses it; rows whose event was not yet set were never
+acknowledged to their clients (the end of their answer was held back) and
+may be lost by either.
+
+The usage writer (:mod:`llmgw.accounting.usage`) reads closed segments
+back, writes their rows into the store (idempotent by ``request_id``) and
+then deletes them; :meth:`UsageJournal.rotate` closes the active segment.
+Segments left by a crashed process are closed segments to the next one.
+
+Streams under way: :meth:`UsageJournal.begin` adds a "started" record (the
+row the stream would get if cut now: status 503, the tokens seen so far),
+written again at the head of each new segment until the stream's row is
+appended. Replaying an earlier process's segments, a started stream with no
+row gets its last "started" record as its row (cut by the crash, status
+503, no cost). The committer adds a fresh "started" record of each stream
+under way every :data:`PROGRESS_S`, so a cut row has the tokens seen at
+most that long before the crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final, NoReturn
+
+import attrs
+import orjson
+import trio
+
+from llmgw import metrics
+from llmgw.store import UsageRow
+
+__all__ = ["UsageJournal", "read_records", "read_segment", "serve_journal_committer"]
+
+log = logging.getLogger("llmgw.accounting.journal")
+
+_HEADER: Final = struct.Struct(">II")
+#: A record longer than this is taken for garbage (a row is ~400 bytes).
+_MAX_RECORD_BYTES: Final = 1 << 20
+_SUFFIX: Final = ".seg"
+#: How often the streams under way have their tokens so far written, in seconds.
+PROGRESS_S: Final = 0.25
+#: The pending-bytes figure that first gets a warning; then each doubling.
+WARN_BYTES: Final = 1 << 20
+
+
+def encode_row(row: UsageRow) -> bytes:
+    """One record: header and payload (module docstring)."""
+    payload = orjson.dumps(attrs.asdict(row))
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def encode_start(row: UsageRow) -> bytes:
+    """A "started" record: the row a stream cut now would get."""
+    payload = orjson.dumps({"started": attrs.asdict(row)})
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def read_segment(path: Path) -> list[UsageRow]:
+    """The rows of one segment, in order (:func:`read_records`' rows)."""
+    return read_records(path)[0]
+
+
+def read_records(path: Path) -> tuple[list[UsageRow], list[UsageRow]]:
+    """The rows and the "started" records of one segment, each in order; a
+    torn or corrupt record ends it (logged, the rest of that file skipped).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    data = path.read_bytes()
+    rows: list[UsageRow] = []
+    starts: list[UsageRow] = []
+    offset = 0
+    end = len(data)
+    while offset < end:
+        if end - offset < _HEADER.size:
+            log.warning("%s: torn record at byte %d skipped", path.name, offset)
+            break
+        length, crc = _HEADER.unpack_from(data, offset)
+        start = offset + _HEADER.size
+        payload = data[start : start + length]
+        if length > _MAX_RECORD_BYTES or len(payload) < length or zlib.crc32(payload) != crc:
+            log.warning("%s: torn or corrupt record at byte %d skipped", path.name, offset)
+            break
+        try:
+            doc = orjson.loads(payload)
+            if "started" in doc:
+                starts.append(UsageRow(**doc["started"]))
+            else:
+                rows.append(UsageRow(**doc))
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            log.warning("%s: unreadable row at byte %d skipped (%s)", path.name, offset, exc)
+        offset = start + length
+    return rows, starts
+
+
+class UsageJournal:
+    """The journal's files and the group being gathered (module docstring).
+
+    Args:
+        directory: where the segments live; made when missing.
+
+    Raises:
+        OSError: the directory cannot be made or the first segment opened.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._number = 0  # none active yet: every segment found is closed
+        existing = self.closed_segments()
+        self._closed_bytes = sum(p.stat().st_size for p in existing)
+        self._number = max((int(p.stem) for p in existing), default=0) + 1
+        self._file = self._open(self._number)
+        #: Segments numbered below this were left by an earlier process.
+        self.first_live = self._number
+        #: Streams under way: request id → the row a cut now would get.
+        self._in_flight: dict[str, Callable[[], UsageRow]] = {}
+        self._progress_at = 0.0
+        self._active_bytes = 0
+        self._group: list[bytes] = []
+        self._group_done = trio.Event()
+        self._wake = trio.Event()
+        #: Serialises the committer's writes with :meth:`rotate`.
+        self._lock = trio.Lock()
+        self._warn_at = WARN_BYTES
+        self._update_gauge()
+
+    def _open(self, number: int) -> int:
+        fd = os.open(
+            self.directory / f"{number:012d}{_SUFFIX}",
+            os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+            0o600,
+        )
+        _sync_directory(self.directory)
+        return fd
+
+    def closed_segments(self) -> list[Path]:
+        """The segments no longer appended to, oldest first."""
+        return sorted(
+            p
+            for p in self.directory.glob(f"*{_SUFFIX}")
+            if p.stem.isdigit() and int(p.stem) != self._number
+        )
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes in segments not yet deleted (rows not known to be stored)."""
+        return self._closed_bytes + self._active_bytes
+
+    @property
+    def active_bytes(self) -> int:
+        return self._active_bytes
+
+    def begin(self, request_id: str, snapshot: Callable[[], UsageRow]) -> None:
+        """Note a stream under way: a "started" record of ``snapshot()`` in
+        the next group (not waited for, no sync of its own), again in each new segment with the tokens seen by
+        then, until its row is appended. On the next start, a stream of a
+        crashed process with no row gets its last snapshot as its row."""
+        self._in_flight[request_id] = snapshot
+        # It rides with the next group (another row's, or the progress tick
+        # at most PROGRESS_S away): a start costs no sync of its own.
+        self._group.append(encode_start(snapshot()))
+
+    def append(self, row: UsageRow) -> trio.Event:
+        """Add ``row`` to the group being gathered; the returned event is set
+        once the group is on the disk (or could not be written: logged and
+        counted in ``llmgw_usage_dropped_total``)."""
+        self._in_flight.pop(row.request_id, None)
+        self._group.append(encode_row(row))
+        self._wake.set()
+        return self._group_done
+
+    def crashed_segments(self) -> list[Path]:
+        """The closed segments an earlier process left, oldest first."""
+        return [p for p in self.closed_segments() if int(p.stem) < self.first_live]
+
+    async def commit(self) -> None:
+        """Write and sync the group gathered now (nothing when empty), then
+        set its event."""
+        async with self._lock:
+            group, done = self._group, self._group_done
+            if not group:
+                return
+            self._group, self._group_done = [], trio.Event()
+            data = b"".join(group)
+            fd = self._file
+            try:
+                await trio.to_thread.run_sync(_write_and_sync, fd, data)
+            except OSError as exc:
+                metrics.USAGE_DROPPED.inc(len(group))
+                log.error("usage journal write failed: %d rows lost (%s)", len(group), exc)
+            else:
+                self._active_bytes += len(data)
+                self._update_gauge()
+            finally:
+                done.set()
+
+    async def wait_for_work(self) -> None:
+        """Until rows wait, or (with streams under way) their progress is due."""
+        with trio.move_on_at(self._progress_at if self._in_flight else math.inf):
+            await self._wake.wait()
+        self._wake = trio.Event()
+
+    def note_progress(self) -> None:
+        """Every :data:`PROGRESS_S`, a "started" record of each stream under
+        way, with its tokens so far, into the group being gathered."""
+        now = trio.current_time()
+        if now < self._progress_at:
+            return
+        self._progress_at = now + PROGRESS_S
+        self._group.extend(encode_start(snapshot()) for snapshot in self._in_flight.values())
+
+    async def rotate(self) -> None:
+        """Close the active segment (when it holds anything) and start a new one.
+
+        Raises:
+            OSError: the new segment cannot be made.
+        """
+        async with self._lock:
+            if self._active_bytes == 0:
+                return
+            old = self._file
+            self._number += 1
+            self._file = await trio.to_thread.run_sync(self._open, self._number)
+            os.close(old)
+            self._closed_bytes += self._active_bytes
+            self._active_bytes = 0
+            # The streams under way start again in the new segment (with
+            # their tokens so far), on disk before the old one may go.
+            starts = b"".join(encode_start(snapshot()) for snapshot in self._in_flight.values())
+            if starts:
+                await trio.to_thread.run_sync(_write_and_sync, self._file, starts)
+                self._active_bytes += len(starts)
+                self._update_gauge()
+
+    def delete(self, segment: Path) -> None:
+        """Delete a closed segment whose rows are in the store."""
+        size = segment.stat().st_size
+        segment.unlink()
+        self._closed_bytes -= size
+        self._update_gauge()
+
+    def close(self) -> None:
+        """Close the active segment's file (it stays, for the next start)."""
+        os.close(self._file)
+
+    def _update_gauge(self) -> None:
+        pending = self.pending_bytes
+        metrics.USAGE_JOURNAL_BYTES.set(pending)
+        if pending >= self._warn_at:
+            log.warning(
+                "usage journal holds %d bytes not yet in the store (%s)",
+                pending,
+                self.directory,
+            )
+            self._warn_at *= 2
+        elif pending < WARN_BYTES // 2:
+            self._warn_at = WARN_BYTES
+
+
+def _write_and_sync(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+    os.fdatasync(fd)
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def serve_journal_committer(
+    journal: UsageJournal, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> NoReturn:
+    """Commit ``journal``'s groups until cancelled; on cancellation the last
+    group is committed (shielded) and the file closed."""
+    task_status.started()
+    try:
+        while True:
+            await journal.wait_for_work()
+            journal.note_progress()
+            await journal.commit()
+    finally:
+        with trio.CancelScope(shield=True):
+            await journal.commit()
