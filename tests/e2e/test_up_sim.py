@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -525,9 +526,10 @@ def test_an_engine_port_held_by_another_process_is_never_used(start_up: Any) -> 
         squatter.close()
 
 
-def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_event_not_a_torn_stream(
-    start_up: Any,
-) -> None:
+def _a_long_stream_begun(start_up: Any) -> tuple[Any, openai.OpenAI, Iterator[Any]]:
+    """``llmgw up`` on a sim answering 20 tokens/s, and a 1,000-token stream
+    through it whose first chunk has arrived (about 50 s still to go). The
+    caller closes the client."""
     up = start_up(
         "--engine",
         "sim",
@@ -550,6 +552,17 @@ def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_event_not_a_torn
             )
         )
         next(chunks)
+    except BaseException:
+        client.close()
+        raise
+    return up, client, chunks
+
+
+def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_event_not_a_torn_stream(
+    start_up: Any,
+) -> None:
+    up, client, chunks = _a_long_stream_begun(start_up)
+    try:
         up.process.send_signal(signal.SIGINT)
         with pytest.raises(openai.APIError) as caught:
             for _ in chunks:
@@ -601,28 +614,8 @@ def test_n_is_carried_to_an_engine_that_answers_n_choices_and_bad_n_is_refused(
 
 
 def test_a_second_signal_stops_at_once_and_leaves_no_run_file(start_up: Any) -> None:
-    up = start_up(
-        "--engine",
-        "sim",
-        "--model-name",
-        MODEL,
-        "--engine-arg=--tokens-per-second",
-        "--engine-arg=20",
-        "--engine-arg=--tokens",
-        "--engine-arg=1000",
-    )
-    up.wait_ready()
-    client = up.openai_client()
+    up, client, _ = _a_long_stream_begun(start_up)
     try:
-        chunks = iter(
-            client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": "x"}],
-                max_tokens=1000,
-                stream=True,
-            )
-        )
-        next(chunks)
         up.process.send_signal(signal.SIGINT)
         # A second signal later than the same Ctrl-C's echo: stop now, not
         # after the grace (10 s) nor the 50 s stream.
