@@ -107,19 +107,33 @@ def _stored_ids(data_dir: Path) -> set[str]:
         db.close()
 
 
+def _up_with_a_key(start_up: Any, data: Path, name: str) -> tuple[Any, str]:
+    """``llmgw up`` on a sim in ``data`` (with :data:`SETTINGS`), ready, and a
+    new key ``name`` of project Acme/ml/load."""
+    data.mkdir()
+    (data / "server.yaml").write_text(json.dumps(SETTINGS))
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    up.wait_ready()
+    made = up.cli("keys", "create", name, "--project", "Acme/ml/load", "--json")
+    assert made.returncode == 0, made.stderr
+    return up, str(json.loads(made.stdout)["key"])
+
+
+def _restarted(start_up: Any, data: Path, ports: str) -> Any:
+    """``llmgw up`` again in ``data`` after its process was SIGKILLed, on the
+    engine ports ``ports`` (``A-B``) it had (the engines live on); ready."""
+    (data / "run.json").unlink(missing_ok=True)  # the killed process's
+    up = start_up("--engine", "sim", "--model-name", MODEL, "--engine-ports", ports)
+    up.wait_ready()
+    return up
+
+
 def test_no_usage_row_is_lost_when_llmgw_is_killed_under_load(
     start_up: Any, tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    data.mkdir()
-    (data / "server.yaml").write_text(json.dumps(SETTINGS))
-    args = ["--engine", "sim", "--model-name", MODEL]
-    up = start_up(*args)
-    up.wait_ready()
+    up, key = _up_with_a_key(start_up, data, "crash-test")
     ports = f"{up.engine_ports[0]}-{up.engine_ports[1]}"
-    made = up.cli("keys", "create", "crash-test", "--project", "Acme/ml/load", "--json")
-    assert made.returncode == 0, made.stderr
-    key = json.loads(made.stdout)["key"]
     ended: set[str] = set()
     cut: set[str] = set()
     # Killed at three moments of the load: early, later, and well into it.
@@ -130,10 +144,7 @@ def test_no_usage_row_is_lost_when_llmgw_is_killed_under_load(
             up.process.wait(timeout=30)
         ended |= load.ended
         cut |= load.cut
-        (data / "run.json").unlink(missing_ok=True)  # the killed process's
-        # The same data directory, the same engine ports (the engines live on).
-        up = start_up(*args, "--engine-ports", ports)
-        up.wait_ready()
+        up = _restarted(start_up, data, ports)
         # Before the budgets are read back from the store, so their spend counts.
         assert "usage journal replayed into the store" in up.log()
     # Rows of the journal are written by the process started after each kill.
@@ -154,15 +165,8 @@ def test_rows_wait_in_the_journal_while_the_store_is_locked_and_survive_a_kill(
     start_up: Any, tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    data.mkdir()
-    (data / "server.yaml").write_text(json.dumps(SETTINGS))
-    args = ["--engine", "sim", "--model-name", MODEL]
-    up = start_up(*args)
-    up.wait_ready()
+    up, key = _up_with_a_key(start_up, data, "locked-test")
     ports = f"{up.engine_ports[0]}-{up.engine_ports[1]}"
-    made = up.cli("keys", "create", "locked-test", "--project", "Acme/ml/load", "--json")
-    assert made.returncode == 0, made.stderr
-    key = json.loads(made.stdout)["key"]
     # Another process holds SQLite's write lock: every write of llmgw's
     # fails ("database is locked", after its retries). Reads still work (WAL).
     lock = sqlite3.connect(data / "llmgw.db", timeout=30, isolation_level=None)
@@ -181,9 +185,7 @@ def test_rows_wait_in_the_journal_while_the_store_is_locked_and_survive_a_kill(
     finally:
         lock.execute("ROLLBACK")
         lock.close()
-    (data / "run.json").unlink(missing_ok=True)
-    up = start_up(*args, "--engine-ports", ports)
-    up.wait_ready()
+    up = _restarted(start_up, data, ports)
     _wait_stored(up, data, ended)
     up.stop()
 
