@@ -20,6 +20,7 @@ for example::
       batch_size: 500
       buffer_size: 10000
       cache_ttl: 5s              # key lookups trusted this long
+      usage_sync_interval: 0.2s  # usage journal fdatasync at most this often; 0 = before each answer's end
 
 Durations are numbers of seconds or strings like ``45s``, ``30m``, ``12h``,
 ``90d``. ``llmgw up`` reads ``DATA_DIR/server.yaml`` when it exists (or
@@ -207,7 +208,8 @@ def _positive(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
 @attrs.frozen(kw_only=True)
 class AuthSettings:
     """The ``auth`` block; see the module docstring for each key. Durations
-    (``max_key_ttl``, ``flush_interval``, ``cache_ttl``) are in seconds; the
+    (``max_key_ttl``, ``flush_interval``, ``cache_ttl``,
+    ``usage_sync_interval``) are in seconds; the
     names are the spec's setting names."""
 
     default_rpm: int | None = attrs.field(default=60, validator=_positive)
@@ -219,6 +221,7 @@ class AuthSettings:
     batch_size: int = attrs.field(default=500, validator=attrs.validators.ge(1))
     buffer_size: int = attrs.field(default=10_000, validator=attrs.validators.ge(1))
     cache_ttl: float = _duration_field(5.0)
+    usage_sync_interval: float = _duration_field(0.2)
 
 
 @attrs.frozen(kw_only=True)

@@ -7,18 +7,25 @@ payload) then the payload, one usage row as JSON. A torn or corrupt last
 record (a crash mid-write) fails its length or checksum and is skipped with
 everything after it in that segment.
 
-Group commit: :meth:`UsageJournal.append` (synchronous, never blocks)
-encodes a row into the group being gathered and returns that group's
-:class:`trio.Event`. :func:`serve_journal_committer` writes each group
-with one ``write`` and one ``os.fdatasync`` in a worker thread, then sets
-the group's event: every answer waiting on it is released at once. Rows
-appended while a group is being synced form the next group.
+Two policies, by ``sync_interval_s`` (the setting ``auth.usage_sync_interval``):
 
-What a crash costs: a row whose event was set is on the disk (``fdatasync``
-returned), so neither a kill of the process nor a power loss (on a disk
-that honours flushes) loses it; rows whose event was not yet set were never
-acknowledged to their clients (the end of their answer was held back) and
-may be lost by either.
+- ``> 0`` (the default, 0.2 s): :meth:`UsageJournal.append` writes the row
+  to the segment at once (one ``write`` into the kernel's page cache, a few
+  microseconds, in the event loop) and returns ``None``: the end of the
+  answer is not held back at all. :func:`serve_journal_committer` calls
+  ``os.fdatasync`` in a worker thread at most every ``sync_interval_s``
+  while there are unsynced writes. A kill of the process (SIGKILL, the OOM
+  killer) loses nothing written, since the kernel has it; a power loss
+  loses at most the rows of the last ``sync_interval_s``.
+- ``0``: group commit. :meth:`UsageJournal.append` encodes a row into the
+  group being gathered and returns that group's :class:`trio.Event`; the
+  committer writes each group with one ``write`` and one ``os.fdatasync``
+  in a worker thread, then sets the event: every answer waiting on it is
+  released at once. Rows appended while a group is being synced form the
+  next group. A row whose event was set is on the disk, so neither a kill
+  nor a power loss (on a disk that honours flushes) loses it; rows whose
+  event was not yet set were never acknowledged to their clients (the end
+  of their answer was held back) and may be lost by either.
 
 The usage writer (:mod:`llmgw.accounting.usage`) reads closed segments
 back, writes their rows into the store (idempotent by ``request_id``) and
@@ -63,6 +70,9 @@ _MAX_RECORD_BYTES: Final = 1 << 20
 _SUFFIX: Final = ".seg"
 #: How often the streams under way have their tokens so far written, in seconds.
 PROGRESS_S: Final = 0.25
+#: The default longest time between a row's write and its ``fdatasync``, in
+#: seconds (``auth.usage_sync_interval``; 0 = group commit, module docstring).
+SYNC_INTERVAL_S: Final = 0.2
 #: The pending-bytes figure that first gets a warning; then each doubling.
 WARN_BYTES: Final = 1 << 20
 
@@ -123,13 +133,22 @@ class UsageJournal:
 
     Args:
         directory: where the segments live; made when missing.
+        sync_interval_s: the policy (module docstring): ``> 0`` writes each
+            row at once and syncs at most this often; ``0`` holds each row's
+            answer until its group is synced.
 
     Raises:
         OSError: the directory cannot be made or the first segment opened.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, sync_interval_s: float = SYNC_INTERVAL_S) -> None:
+        if sync_interval_s < 0:
+            raise ValueError(f"sync_interval_s must be 0 or more, not {sync_interval_s}")
         self.directory = directory
+        self.sync_interval_s = sync_interval_s
+        #: Written but not yet synced (the write-at-once policy).
+        self._unsynced = False
+        self._synced_at = -math.inf
         directory.mkdir(parents=True, exist_ok=True)
         self._number = 0  # none active yet: every segment found is closed
         existing = self.closed_segments()
@@ -182,26 +201,51 @@ class UsageJournal:
         then, until its row is appended. On the next start, a stream of a
         crashed process with no row gets its last snapshot as its row."""
         self._in_flight[request_id] = snapshot
-        # It rides with the next group (another row's, or the progress tick
-        # at most PROGRESS_S away): a start costs no sync of its own.
-        self._group.append(encode_start(snapshot()))
+        # It rides with the next group or sync (another row's, or the
+        # progress tick at most PROGRESS_S away): no sync of its own.
+        self._add(encode_start(snapshot()), rows=0)
 
-    def append(self, row: UsageRow) -> trio.Event:
-        """Add ``row`` to the group being gathered; the returned event is set
-        once the group is on the disk (or could not be written: logged and
-        counted in ``llmgw_usage_dropped_total``)."""
+    def append(self, row: UsageRow) -> trio.Event | None:
+        """Journal ``row``. Group commit: the returned event is set once its
+        group is on the disk (or could not be written). Write at once: the
+        row is written now and ``None`` is returned. A row that could not be
+        written is logged and counted in ``llmgw_usage_dropped_total``."""
         self._in_flight.pop(row.request_id, None)
-        self._group.append(encode_row(row))
+        self._add(encode_row(row), rows=1)
+        if self.sync_interval_s > 0:
+            return None
         self._wake.set()
         return self._group_done
+
+    def _add(self, record: bytes, *, rows: int) -> None:
+        if self.sync_interval_s == 0:
+            self._group.append(record)
+            return
+        try:
+            _write_all(self._file, record)
+        except OSError as exc:
+            if rows:
+                metrics.USAGE_DROPPED.inc(rows)
+            log.error("usage journal write failed: %d rows lost (%s)", rows, exc)
+            return
+        self._active_bytes += len(record)
+        self._update_gauge()
+        if not self._unsynced:
+            self._unsynced = True
+            self._wake.set()
 
     def crashed_segments(self) -> list[Path]:
         """The closed segments an earlier process left, oldest first."""
         return [p for p in self.closed_segments() if int(p.stem) < self.first_live]
 
     async def commit(self) -> None:
-        """Write and sync the group gathered now (nothing when empty), then
-        set its event."""
+        """Group commit: write and sync the group gathered now (nothing when
+        empty), then set its event. Write at once: sync what was written
+        (nothing when all is synced).
+        """
+        if self.sync_interval_s > 0:
+            await self._sync()
+            return
         async with self._lock:
             group, done = self._group, self._group_done
             if not group:
@@ -220,20 +264,37 @@ class UsageJournal:
             finally:
                 done.set()
 
+    async def _sync(self) -> None:
+        async with self._lock:
+            if not self._unsynced:
+                return
+            self._unsynced = False
+            self._synced_at = trio.current_time()
+            try:
+                await trio.to_thread.run_sync(os.fdatasync, self._file)
+            except OSError as exc:
+                log.error("usage journal sync failed (%s)", exc)
+
     async def wait_for_work(self) -> None:
-        """Until rows wait, or (with streams under way) their progress is due."""
+        """Until rows wait, or (with streams under way) their progress is
+        due; with write at once, then until ``sync_interval_s`` after the
+        last sync."""
         with trio.move_on_at(self._progress_at if self._in_flight else math.inf):
             await self._wake.wait()
         self._wake = trio.Event()
+        if self.sync_interval_s > 0:
+            await trio.sleep_until(self._synced_at + self.sync_interval_s)
 
     def note_progress(self) -> None:
         """Every :data:`PROGRESS_S`, a "started" record of each stream under
-        way, with its tokens so far, into the group being gathered."""
+        way, with its tokens so far (into the group being gathered, or
+        written at once)."""
         now = trio.current_time()
         if now < self._progress_at:
             return
         self._progress_at = now + PROGRESS_S
-        self._group.extend(encode_start(snapshot()) for snapshot in self._in_flight.values())
+        for snapshot in self._in_flight.values():
+            self._add(encode_start(snapshot()), rows=0)
 
     async def rotate(self) -> None:
         """Close the active segment (when it holds anything) and start a new one.
@@ -247,6 +308,9 @@ class UsageJournal:
             old = self._file
             self._number += 1
             self._file = await trio.to_thread.run_sync(self._open, self._number)
+            if self._unsynced:
+                # Its rows go to the store next; on the disk first.
+                await trio.to_thread.run_sync(os.fdatasync, old)
             os.close(old)
             self._closed_bytes += self._active_bytes
             self._active_bytes = 0
@@ -283,11 +347,15 @@ class UsageJournal:
             self._warn_at = WARN_BYTES
 
 
-def _write_and_sync(fd: int, data: bytes) -> None:
+def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def _write_and_sync(fd: int, data: bytes) -> None:
+    _write_all(fd, data)
     os.fdatasync(fd)
 
 

@@ -43,6 +43,9 @@ BUFFER_SIZE: Final = 100_000
 RETRY_MAX_S: Final = 30.0
 #: The final flush at shutdown gets this long.
 SHUTDOWN_FLUSH_S: Final = 10.0
+#: The same with a journal: rows not written by then stay in the journal for
+#: the next start, so the stop is not held up by a store that is locked.
+JOURNAL_SHUTDOWN_FLUSH_S: Final = 2.0
 #: While the store is behind, the journal's active segment is closed at this size.
 SEGMENT_BYTES: Final = 4 << 20
 
@@ -157,7 +160,9 @@ async def serve_usage_writer(
 
     Returns:
         Never returns unless cancelled. On cancellation the remaining rows
-        are written (shielded, at most :data:`SHUTDOWN_FLUSH_S`).
+        are written (shielded, at most :data:`SHUTDOWN_FLUSH_S`, or
+        :data:`JOURNAL_SHUTDOWN_FLUSH_S` with a journal: what is not written
+        by then stays in the journal for the next start).
     """
     task_status.started()
     retry_s = flush_interval_s
@@ -184,11 +189,16 @@ async def serve_usage_writer(
                     log.warning("usage rows written again after the store came back")
                 failing = False
     finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(SHUTDOWN_FLUSH_S):
-            try:
-                await writer.flush(store)
-            except (StoreError, OSError) as exc:
-                if writer.journal is not None:
-                    log.error("usage rows left in the journal at shutdown (%s)", exc)
-                else:
-                    log.error("usage rows lost at shutdown: %d (%s)", len(writer), exc)
+        bound_s = SHUTDOWN_FLUSH_S if writer.journal is None else JOURNAL_SHUTDOWN_FLUSH_S
+        reason = f"the store did not take them within {bound_s:g} s"
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(bound_s):
+                try:
+                    await writer.flush(store)
+                    reason = ""
+                except (StoreError, OSError) as exc:
+                    reason = str(exc) or type(exc).__name__
+            if reason and writer.journal is not None:
+                log.error("usage rows left in the journal at shutdown (%s)", reason)
+            elif reason:
+                log.error("usage rows lost at shutdown: %d (%s)", len(writer), reason)

@@ -126,7 +126,11 @@ async def serve_control_plane(
     # Usage rows are durable in a local journal before a client gets the end
     # of its answer; without a data directory (a store in memory) they wait
     # in memory for the writer.
-    journal = UsageJournal(data_dir / JOURNAL_DIR) if data_dir is not None else None
+    journal = (
+        UsageJournal(data_dir / JOURNAL_DIR, sync_interval_s=auth.usage_sync_interval)
+        if data_dir is not None
+        else None
+    )
     usage = UsageWriter(buffer_size=auth.buffer_size, batch_size=auth.batch_size, journal=journal)
     if journal is not None and journal.closed_segments():
         # A crashed process's rows go into the store before the budgets are

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -44,6 +45,13 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
         yield opened
 
 
+@pytest.fixture(params=[0.0, 0.05], ids=["group-commit", "write-at-once"])
+def sync_s(request: pytest.FixtureRequest) -> float:
+    """Each test runs under both policies (``sync_interval_s``)."""
+    value: float = request.param
+    return value
+
+
 def segments(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.seg"))
 
@@ -63,16 +71,19 @@ async def test_a_group_is_one_write_and_one_sync_for_every_row_in_it(
         real_sync(fd)
 
     monkeypatch.setattr(os, "fdatasync", counting_sync)
-    journal = UsageJournal(tmp_path / "j")
+    journal = UsageJournal(tmp_path / "j", sync_interval_s=0)
     events = [journal.append(row(n)) for n in range(50)]
     assert len({id(e) for e in events}) == 1
-    assert not events[0].is_set()
+    first = events[0]
+    assert first is not None
+    assert not first.is_set()
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_journal_committer, journal)
         with trio.fail_after(10):
-            await events[0].wait()
+            await first.wait()
         later = journal.append(row(50))
-        assert later is not events[0]
+        assert later is not None
+        assert later is not first
         with trio.fail_after(10):
             await later.wait()
         nursery.cancel_scope.cancel()
@@ -82,8 +93,8 @@ async def test_a_group_is_one_write_and_one_sync_for_every_row_in_it(
     assert read_segment(segment) == [row(n) for n in range(51)]
 
 
-async def test_a_torn_last_record_is_skipped(tmp_path: Path) -> None:
-    journal = UsageJournal(tmp_path / "j")
+async def test_a_torn_last_record_is_skipped(tmp_path: Path, sync_s: float) -> None:
+    journal = UsageJournal(tmp_path / "j", sync_interval_s=sync_s)
     for n in range(3):
         journal.append(row(n))
     await journal.commit()
@@ -101,17 +112,17 @@ async def test_a_torn_last_record_is_skipped(tmp_path: Path) -> None:
 
 
 async def test_replay_writes_a_crashed_process_rows_once_and_trims(
-    tmp_path: Path, store: Store
+    tmp_path: Path, sync_s: float, store: Store
 ) -> None:
     directory = tmp_path / "j"
-    crashed = UsageJournal(directory)
+    crashed = UsageJournal(directory, sync_interval_s=sync_s)
     for n in range(10):
         crashed.append(row(n))
     await crashed.commit()
     crashed.close()  # as a SIGKILL leaves it: the segment stays
     # Some rows reached the store before the crash.
     await store.insert_usage([row(0), row(1), row(2)])
-    journal = UsageJournal(directory)
+    journal = UsageJournal(directory, sync_interval_s=sync_s)
     assert len(journal.closed_segments()) == 1
     writer = UsageWriter(journal=journal, batch_size=4)
     await writer.flush(store)
@@ -121,7 +132,7 @@ async def test_replay_writes_a_crashed_process_rows_once_and_trims(
     assert journal.pending_bytes == 0
     assert metrics.USAGE_JOURNAL_BYTES._value.get() == 0
     # The same segment replayed again (a crash after the store had it) adds nothing.
-    again = UsageJournal(tmp_path / "again")
+    again = UsageJournal(tmp_path / "again", sync_interval_s=sync_s)
     for n in range(10):
         again.append(row(n))
     await again.commit()
@@ -149,18 +160,21 @@ class FailingStore:
         self.stored.set()
 
 
-async def test_rows_wait_in_the_journal_while_the_store_fails(tmp_path: Path, store: Store) -> None:
+async def test_rows_wait_in_the_journal_while_the_store_fails(
+    tmp_path: Path, sync_s: float, store: Store
+) -> None:
     directory = tmp_path / "j"
-    journal = UsageJournal(directory)
+    journal = UsageJournal(directory, sync_interval_s=sync_s)
     writer = UsageWriter(journal=journal, batch_size=7)
     failing = FailingStore(store)
     async with trio.open_nursery() as nursery:
         await nursery.start(serve_journal_committer, journal)
         for n in range(20):
             done = writer.record(row(n))
-            assert done is not None
-            with trio.fail_after(10):
-                await done.wait()
+            assert (done is None) == (sync_s > 0)
+            if done is not None:
+                with trio.fail_after(10):
+                    await done.wait()
         nursery.cancel_scope.cancel()
     with pytest.raises(StoreError):
         await writer.flush(failing)  # type: ignore[arg-type]
@@ -176,9 +190,9 @@ async def test_rows_wait_in_the_journal_while_the_store_fails(tmp_path: Path, st
 
 
 async def test_the_writer_task_writes_the_journal_and_retries_a_failing_store(
-    tmp_path: Path, store: Store
+    tmp_path: Path, sync_s: float, store: Store
 ) -> None:
-    journal = UsageJournal(tmp_path / "j")
+    journal = UsageJournal(tmp_path / "j", sync_interval_s=sync_s)
     writer = UsageWriter(journal=journal)
     failing = FailingStore(store)
     failing.up = True
@@ -197,10 +211,10 @@ async def test_the_writer_task_writes_the_journal_and_retries_a_failing_store(
 
 
 async def test_a_quiet_writer_leaves_only_an_empty_active_segment(
-    tmp_path: Path, store: Store
+    tmp_path: Path, sync_s: float, store: Store
 ) -> None:
     directory = tmp_path / "j"
-    journal = UsageJournal(directory)
+    journal = UsageJournal(directory, sync_interval_s=sync_s)
     writer = UsageWriter(journal=journal)
     for n in range(5):
         writer.record(row(n))
@@ -214,10 +228,10 @@ async def test_a_quiet_writer_leaves_only_an_empty_active_segment(
 
 
 async def test_a_stream_cut_by_a_crash_gets_its_last_started_record_as_its_row(
-    tmp_path: Path, store: Store
+    tmp_path: Path, sync_s: float, store: Store
 ) -> None:
     directory = tmp_path / "j"
-    crashed = UsageJournal(directory)
+    crashed = UsageJournal(directory, sync_interval_s=sync_s)
     tokens = [0]
 
     def snapshot(n: int) -> UsageRow:
@@ -233,7 +247,7 @@ async def test_a_stream_cut_by_a_crash_gets_its_last_started_record_as_its_row(
     for segment in crashed.closed_segments():
         crashed.delete(segment)  # as the writer does once the store has its rows
     crashed.close()
-    journal = UsageJournal(directory)
+    journal = UsageJournal(directory, sync_interval_s=sync_s)
     assert len(journal.crashed_segments()) == 1
     await UsageWriter(journal=journal).flush(store)
     journal.close()
@@ -243,14 +257,16 @@ async def test_a_stream_cut_by_a_crash_gets_its_last_started_record_as_its_row(
     assert (cut.status, cut.completion_tokens) == (503, 7)
 
 
-async def test_a_finished_stream_gets_no_cut_row(tmp_path: Path, store: Store) -> None:
+async def test_a_finished_stream_gets_no_cut_row(
+    tmp_path: Path, sync_s: float, store: Store
+) -> None:
     directory = tmp_path / "j"
-    crashed = UsageJournal(directory)
+    crashed = UsageJournal(directory, sync_interval_s=sync_s)
     crashed.begin(row(1).request_id, lambda: attrs.evolve(row(1), status=503))
     crashed.append(row(1))
     await crashed.commit()
     crashed.close()
-    journal = UsageJournal(directory)
+    journal = UsageJournal(directory, sync_interval_s=sync_s)
     await UsageWriter(journal=journal).flush(store)
     journal.close()
     (stored,) = await store.list_usage(last=100)
@@ -258,10 +274,10 @@ async def test_a_finished_stream_gets_no_cut_row(tmp_path: Path, store: Store) -
 
 
 async def test_the_committer_writes_the_tokens_of_streams_under_way(
-    tmp_path: Path, store: Store
+    tmp_path: Path, sync_s: float, store: Store
 ) -> None:
     directory = tmp_path / "j"
-    crashed = UsageJournal(directory)
+    crashed = UsageJournal(directory, sync_interval_s=sync_s)
     tokens = [0]
     crashed.begin(
         row(3).request_id, lambda: attrs.evolve(row(3), status=503, completion_tokens=tokens[0])
@@ -276,7 +292,7 @@ async def test_the_committer_writes_the_tokens_of_streams_under_way(
                     await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     crashed.close()
-    journal = UsageJournal(directory)
+    journal = UsageJournal(directory, sync_interval_s=sync_s)
     await UsageWriter(journal=journal).flush(store)
     journal.close()
     (cut,) = await store.list_usage(last=100)
@@ -286,3 +302,49 @@ async def test_the_committer_writes_the_tokens_of_streams_under_way(
 def _most_tokens(directory: Path) -> int:
     starts = [s for p in segments(directory) for s in read_records(p)[1]]
     return max((s.completion_tokens for s in starts), default=-1)
+
+
+async def test_write_at_once_puts_each_row_in_the_file_before_append_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    syncs: list[float] = []
+    real_sync = os.fdatasync
+
+    def counting_sync(fd: int) -> None:
+        syncs.append(time.monotonic())
+        real_sync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting_sync)
+    journal = UsageJournal(tmp_path / "j", sync_interval_s=0.2)
+    # Nothing to wait for, and the row is already in the file: a kill of
+    # the process now (no committer has run) loses nothing.
+    assert all(journal.append(row(n)) is None for n in range(50))
+    (segment,) = segments(tmp_path / "j")
+    assert read_segment(segment) == [row(n) for n in range(50)]
+    assert syncs == []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve_journal_committer, journal)
+        with trio.fail_after(10):
+            while not syncs:  # noqa: ASYNC110 -- the committer is watched
+                await trio.sleep(0.01)
+        # Rows written just after a sync wait for the interval: syncs are
+        # at least sync_interval_s apart, however many rows come.
+        began = time.monotonic()
+        for n in range(50, 100):
+            journal.append(row(n))
+            await trio.sleep(0.005)
+        elapsed_s = time.monotonic() - began
+        with trio.fail_after(10):
+            while len(syncs) < 2:  # noqa: ASYNC110 -- the committer is watched
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    # One sync per row would be 50 more; at most one per 0.2 s is allowed
+    # (plus the first, the one in progress and the final one).
+    assert len(syncs) <= elapsed_s / 0.2 + 3 < 50
+    journal.close()
+    assert read_segment(segment) == [row(n) for n in range(100)]
+
+
+def test_a_negative_sync_interval_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="sync_interval_s"):
+        UsageJournal(tmp_path / "j", sync_interval_s=-1)

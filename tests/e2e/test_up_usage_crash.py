@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from llmgw.app.control_plane import GRACE_S
+
 #: Roomy limits: the load is far over the default 60 requests a minute.
 SETTINGS = {"auth": {"default_rpm": 1_000_000, "default_tpm": 10**10}}
 MODEL = "sim-model"
@@ -182,6 +184,34 @@ def test_rows_wait_in_the_journal_while_the_store_is_locked_and_survive_a_kill(
         ended = set(load.ended)
         stored = {r[0] for r in lock.execute("SELECT request_id FROM usage")}
         assert ended - stored, "the lock did not keep rows out of the store"
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    up = _restarted(start_up, data, ports)
+    _wait_stored(up, data, ended)
+    up.stop()
+
+
+def test_a_stop_with_the_store_locked_is_bounded_and_leaves_the_rows_in_the_journal(
+    start_up: Any, tmp_path: Path
+) -> None:
+    """SIGINT while another program holds the store's write lock: the stop
+    still returns within the grace plus 5 s (the last rows stay in the
+    journal), and the next start writes every ended answer's row."""
+    data = tmp_path / "data"
+    up, key = _up_with_a_key(start_up, data, "locked-stop")
+    ports = f"{up.engine_ports[0]}-{up.engine_ports[1]}"
+    lock = sqlite3.connect(data / "llmgw.db", timeout=30, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        with Load(up.base_url, key) as load:
+            up.wait_for(lambda: load.count() >= 30, 120, "30 answers")
+            up.wait_for(lambda: "usage rows not written" in up.log(), 60, "the writer failing")
+            up.process.send_signal(signal.SIGINT)
+            up.process.wait(timeout=GRACE_S + 5.0)
+        assert up.process.returncode == 0, up.log()
+        assert "usage rows left in the journal at shutdown" in up.log()
+        ended = set(load.ended)
     finally:
         lock.execute("ROLLBACK")
         lock.close()
