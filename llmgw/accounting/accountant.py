@@ -203,7 +203,8 @@ class RateFigures:
         scope: its counter name.
         limit: its per-minute limit.
         remaining: whole units still admitted this minute.
-        reset_s: seconds until its rate is back to 0.
+        reset_s: seconds until its one-minute window resets, 0 … 60
+            (:meth:`llmgw.accounting.limiter.Window.seconds_to_reset`).
     """
 
     scope: str

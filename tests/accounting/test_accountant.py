@@ -263,11 +263,35 @@ def test_headers_show_the_tightest_limited_counter_like_openai() -> None:
     assert headers == {
         b"x-ratelimit-limit-requests": b"4",
         b"x-ratelimit-remaining-requests": b"2",
-        b"x-ratelimit-reset-requests": b"1m48s",
+        b"x-ratelimit-reset-requests": b"48s",
         b"x-ratelimit-limit-tokens": b"10000",
         b"x-ratelimit-remaining-tokens": b"7000",
-        b"x-ratelimit-reset-tokens": b"1m48s",
+        b"x-ratelimit-reset-tokens": b"48s",
     }
+
+
+def _duration_s(text: str) -> float:
+    """A reset header's duration (``"1m21.333s"``, ``"200ms"``) in seconds."""
+    if text.endswith("ms"):
+        return float(text[:-2]) / 1000
+    minutes, _, seconds = text[:-1].rpartition("m")
+    return 60 * float(minutes or 0) + float(seconds)
+
+
+def test_a_60_rpm_keys_reset_headers_never_exceed_the_minute_answered_or_refused() -> None:
+    acc = Accountant(PRICES, default_rpm=60, default_tpm=6_000)
+    seen = []
+    for step in range(400):
+        now = NOW + step * 0.77
+        try:
+            headers = dict(acc.check(path(), "free", 40, now).headers())
+        except RateLimited:
+            headers = dict(acc.rate_headers(path(), now))
+        for kind in (b"requests", b"tokens"):
+            reset_s = _duration_s(headers[b"x-ratelimit-reset-" + kind].decode())
+            assert 0 < reset_s <= 60, (step, headers)
+            seen.append(reset_s)
+    assert max(seen) > 50  # the early seconds of a minute were seen
 
 
 def test_no_ratelimit_headers_when_nothing_on_the_path_is_limited() -> None:
