@@ -357,6 +357,32 @@ def test_a_spent_budget_refuses_a_priced_request_even_with_no_token_estimate() -
     acc.check(levels, "free", 0, NOW)
 
 
+def test_a_request_that_spends_nothing_meets_the_allowlist_and_the_rpm_but_no_budget() -> None:
+    acc = Accountant(PRICES, default_rpm=None, default_tpm=None)
+    levels = path(
+        key=ScopeLimits("key:k1", rpm=2, tpm=10, budget_day_micros=0),
+        project=ScopeLimits("project:p_1", models=("gpt",)),
+    )
+    with pytest.raises(ModelNotAllowed) as refused:
+        acc.check_request(levels, "free", NOW)
+    assert refused.value.scope == "project:p_1"
+    first = acc.check_request(levels, "gpt", NOW)  # a spent budget does not refuse it
+    assert first.settled
+    assert first.estimate_tokens == 0
+    assert dict(first.headers())[b"x-ratelimit-remaining-requests"] == b"1"
+    assert dict(first.headers())[b"x-ratelimit-remaining-tokens"] == b"10"
+    acc.check_request(levels, "gpt", NOW)
+    with pytest.raises(RateLimited) as limited:
+        acc.check_request(levels, "gpt", NOW)
+    assert (limited.value.retry_after_s or 0) >= 1
+    assert acc.requests.rate("key:k1", NOW) == 2
+    assert acc.tokens.rate("key:k1", NOW) == 0
+    assert acc.held("key:k1", "day") == 0
+    # A message still meets its budget (checked before the rates).
+    with pytest.raises(BudgetSpent):
+        acc.check(levels, "gpt", 1, NOW)
+
+
 def test_settle_charges_the_served_models_price_when_a_fallback_answered() -> None:
     acc = unmetered()
     levels = path(team=ScopeLimits("team:t_1", budget_day_micros=1_000_000))
