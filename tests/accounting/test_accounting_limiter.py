@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from llmgw.accounting.limiter import Counts, Limiter, Window, minute_of
@@ -221,6 +221,7 @@ _steps = st.lists(
 )
 
 
+@settings(max_examples=500)
 @given(
     start=st.floats(min_value=0, max_value=10**10, allow_nan=False),
     steps=_steps,
