@@ -203,7 +203,8 @@ class RateFigures:
         scope: its counter name.
         limit: its per-minute limit.
         remaining: whole units still admitted this minute.
-        reset_s: seconds until its rate is back to 0.
+        reset_s: seconds until its one-minute window resets, 0 … 60
+            (:meth:`llmgw.accounting.limiter.Window.seconds_to_reset`).
     """
 
     scope: str
@@ -384,9 +385,7 @@ class Accountant:
             raise ValueError("a request's path needs at least the key's level")
         if now >= self._next_prune_s:
             self.prune(now)
-        for level in reversed(path):
-            if level.models is not None and model not in level.models:
-                raise ModelNotAllowed(model, level.scope)
+        _check_models(path, model)
         estimate_tokens = max(estimate_tokens, 0)
 
         reserved = self._check_budgets(path, model, estimate_tokens, images, meshes, now)
@@ -418,6 +417,45 @@ class Accountant:
         if reserved:
             self._open[reservation.seq] = reservation
         return reservation
+
+    def check_request(self, path: Sequence[ScopeLimits], model: str, now: float) -> Reservation:
+        """Admit a request for ``model`` along ``path`` that spends no tokens
+        and costs nothing (Anthropic's ``count_tokens``), or refuse it: the
+        models allowlist, then the requests per minute of every limited
+        level (the key's default when none sets ``rpm``). When both pass,
+        each limited requests counter is charged 1; no tokens, no budget.
+
+        Returns:
+            A settled :class:`Reservation` (nothing to settle or release),
+            carrying the tightest counters for the rate headers.
+
+        Raises:
+            ModelNotAllowed: 403, a level's models list leaves ``model`` out.
+            RateLimited: 429, a requests limit is reached.
+            ValueError: an empty path.
+        """
+        if not path:
+            raise ValueError("a request's path needs at least the key's level")
+        if now >= self._next_prune_s:
+            self.prune(now)
+        _check_models(path, model)
+        request_limits = self._limits(path, "rpm", self.default_rpm)
+        self._check_rates(request_limits, [], 0, now)
+        for scope, _ in request_limits:
+            self.requests.charge(scope, 1, now)
+        return Reservation(
+            model=model,
+            scopes=tuple(level.scope for level in path),
+            request_counters=tuple(scope for scope, _ in request_limits),
+            token_counters=(),
+            estimate_tokens=0,
+            reserved=(),
+            at=now,
+            requests=_tightest(self.requests, request_limits, now),
+            tokens=_tightest(self.tokens, self._limits(path, "tpm", self.default_tpm), now),
+            settled=True,
+            holding=False,
+        )
 
     def settle(
         self,
@@ -617,6 +655,14 @@ class Accountant:
         if refusals:
             # The refusal whose room comes back last decides when to retry.
             raise max(refusals, key=lambda r: r.retry_after_s or 0)
+
+
+def _check_models(path: Sequence[ScopeLimits], model: str) -> None:
+    """Raise :class:`ModelNotAllowed` naming the broadest level whose models
+    list leaves ``model`` out."""
+    for level in reversed(path):
+        if level.models is not None and model not in level.models:
+            raise ModelNotAllowed(model, level.scope)
 
 
 def _tightest(limiter: Limiter, limits: list[tuple[str, int]], now: float) -> RateFigures | None:

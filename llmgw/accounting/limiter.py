@@ -85,6 +85,18 @@ class Window:
         return not (self.current or self.previous or self.others_current or self.others_previous)
 
     def seconds_to_reset(self, now: float) -> float:
+        """Seconds from ``now`` until the window resets (after :meth:`roll`):
+        the end of this minute, when the previous minute's count has left
+        the rate and this minute's begins to weigh less; 0 when nothing is
+        counted. Never more than :data:`WINDOW_S` (a clock that went back
+        reads as the minute's start). How long until a given cost fits is
+        :meth:`seconds_until_fits`; until the rate is back to 0,
+        :meth:`seconds_to_empty` (up to two minutes)."""
+        if self.idle():
+            return 0.0
+        return min(max(self.start + WINDOW_S - now, 0.0), WINDOW_S)
+
+    def seconds_to_empty(self, now: float) -> float:
         """Seconds from ``now`` until the rate is back to 0 with nothing new
         counted: a count in this minute weighs until the end of the next one."""
         if self.current or self.others_current:
@@ -101,7 +113,7 @@ class Window:
         prev = self.previous + self.others_previous
         elapsed_s = max(now - self.start, 0.0)
         if cost > limit:
-            return self.seconds_to_reset(now)
+            return self.seconds_to_empty(now)
         if cur + cost <= limit:
             # Within this minute, once the previous minute's share is small enough.
             if prev <= 0:
@@ -229,8 +241,8 @@ class Limiter:
         return max(math.floor(limit - self.rate(counter, now) + _EPSILON), 0)
 
     def seconds_to_reset(self, counter: str, now: float) -> float:
-        """Seconds until the counter's rate is back to 0 if nothing new comes
-        (``x-ratelimit-reset-*``)."""
+        """Seconds until the counter's window resets, at most
+        :data:`WINDOW_S` (``x-ratelimit-reset-*``; :meth:`Window.seconds_to_reset`)."""
         window = self._windows.get(counter)
         if window is None:
             return 0.0

@@ -80,8 +80,11 @@ def new_message_id() -> str:
 # -- the request ------------------------------------------------------------------------
 
 
-def request_to_chat(doc: dict[str, Any]) -> dict[str, Any]:
+def request_to_chat(doc: dict[str, Any], *, counting: bool = False) -> dict[str, Any]:
     """Check an Anthropic Messages request and translate it to OpenAI chat.
+
+    With ``counting`` it is a ``count_tokens`` body: ``max_tokens`` may be
+    left out (the chat request then has none).
 
     Understood fields: ``model``, ``max_tokens`` (int ≥ 1), ``messages``
     (``user``/``assistant``; content a string or blocks ``text``, ``image``
@@ -113,7 +116,7 @@ def request_to_chat(doc: dict[str, Any]) -> dict[str, Any]:
     """
     model = request_model(doc)
     max_tokens = doc.get("max_tokens")
-    if not is_int(max_tokens) or max_tokens < 1:
+    if not (counting and max_tokens is None) and (not is_int(max_tokens) or max_tokens < 1):
         raise bad_request("'max_tokens' is required and must be an integer ≥ 1.", "max_tokens")
 
     messages: list[dict[str, Any]] = []
@@ -126,7 +129,9 @@ def request_to_chat(doc: dict[str, Any]) -> dict[str, Any]:
     for index, message in enumerate(raw_messages):
         messages.extend(_message(message, f"messages.{index}"))
 
-    chat: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens}
+    chat: dict[str, Any] = {"model": model, "messages": messages}
+    if max_tokens is not None:
+        chat["max_tokens"] = max_tokens
     stop = doc.get("stop_sequences")
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):

@@ -6,8 +6,13 @@ Routes:
 - ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
   ``/v1/messages`` (Anthropic) and ``/v1/responses`` (OpenAI Responses) —
   routed and relayed (:mod:`llmgw.gateway.completion`);
+- ``POST /v1/messages/count_tokens`` (Anthropic) — counted by an engine's
+  tokenizer (:mod:`llmgw.gateway.count_tokens`);
 - ``GET /v1/models`` — the catalog the key may use;
 - ``GET /health``, ``GET /ready``, ``GET /leader`` — open, no store access.
+
+Any other path or method is refused (404, 405) in the path's error shape:
+Anthropic's on ``/v1/messages`` and below, OpenAI's elsewhere.
 
 :class:`Gateway` puts the parts together — the router
 (:class:`llmgw.router.router.Router`), the relay, the answer cache, the
@@ -19,6 +24,7 @@ and prices).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import orjson
@@ -35,8 +41,9 @@ from llmgw.settings import ServerSettings
 
 from .caching import Caching
 from .completion import ROUTES, Completions
+from .count_tokens import COUNT_TOKENS_PATH, TokenCounter
 from .credentials import authenticate
-from .errors import api_error, error_body, system_stopped
+from .errors import ApiError, api_error, error_body_on, system_stopped
 from .http import answer
 from .parse import MAX_BODY_BYTES
 from .recording import Recorder
@@ -110,6 +117,15 @@ class Gateway:
             accountant=self._accountant,
             resolver=resolver,
         )
+        self._count_tokens = TokenCounter(
+            authenticator=authenticator,
+            settings=self._current_settings,
+            router=self._router,
+            relay=self._relay,
+            max_body_bytes=max_body_bytes,
+            accountant=self._accountant,
+            resolver=resolver,
+        )
 
     @property
     def router(self) -> Router:
@@ -160,11 +176,13 @@ class Gateway:
         path: str = scope["path"]
         method: str = scope["method"]
         route = ROUTES.get(path)
-        if route is not None:
+        if route is not None or path == COUNT_TOKENS_PATH:
             if method != "POST":
-                await answer(send, 405, _error(405, f"{path} takes POST"), [(b"allow", b"POST")])
-                return
-            await self._completions(scope, receive, send, route)
+                await _refuse(send, path, 405, f"{path} takes POST", [(b"allow", b"POST")])
+            elif route is not None:
+                await self._completions(scope, receive, send, route)
+            else:
+                await self._count_tokens(scope, receive, send)
         elif path == "/health":
             await answer(send, 200, b'{"status":"ok"}')
         elif path == "/ready":
@@ -179,15 +197,15 @@ class Gateway:
             )
         elif path == "/v1/models":
             if method not in ("GET", "HEAD"):
-                await answer(send, 405, _error(405, f"{path} takes GET"), [(b"allow", b"GET")])
+                await _refuse(send, path, 405, f"{path} takes GET", [(b"allow", b"GET")])
                 return
             await self._models(scope, send)
         elif (
             path.startswith("/v1/") and method == "POST" and self._cluster.settings.serving.stopped
         ):
-            await answer(send, 503, system_stopped().body())
+            await answer(send, 503, error_body_on(path, system_stopped()))
         else:
-            await answer(send, 404, _error(404, f"no route {method} {path}", code="unknown_url"))
+            await _refuse(send, path, 404, f"no route {method} {path}", code="unknown_url")
 
     # --- /v1/models --------------------------------------------------------------
 
@@ -219,7 +237,15 @@ class Gateway:
         await answer(send, 200, orjson.dumps({"object": "list", "data": data}))
 
 
-def _error(status: int, message: str, *, code: str | None = None) -> bytes:
-    return error_body(
-        message, type="invalid_request_error" if status < 500 else "server_error", code=code
-    )
+async def _refuse(
+    send: Send,
+    path: str,
+    status: int,
+    message: str,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+    *,
+    code: str | None = None,
+) -> None:
+    """Answer a path or method there is no route for, in the path's error shape."""
+    error = ApiError(status, message, code=code)
+    await answer(send, status, error_body_on(path, error), headers)

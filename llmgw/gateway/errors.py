@@ -1,17 +1,19 @@
 """Errors answered to clients: the one place where llmgw's errors take
 OpenAI's or Anthropic's shape (``docs/api.md``).
 
-OpenAI's shape, on every ``/v1`` route but ``/v1/messages``::
+OpenAI's shape, on every path but Anthropic's::
 
     {"error": {"message": ..., "type": ..., "code": ..., "param": ...}}
 
-Anthropic's, on ``/v1/messages``::
+Anthropic's, on ``/v1/messages`` and every path below it
+(``/v1/messages/count_tokens``, and an unknown one)::
 
     {"type": "error", "error": {"type": ..., "message": ...}}
 
 Raise :class:`ApiError` (or any :class:`llmgw.errors.LlmgwError`) on the
 request path; the gateway answers it through :func:`api_error` and
-:func:`error_body_for`, with the status and headers :func:`api_error` gives.
+:func:`error_body_for` (by the request's kind) or :func:`error_body_on` (by
+its path), with the status and headers :func:`api_error` gives.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import orjson
 from llmgw import errors
 
 __all__ = [
+    "ANTHROPIC_KINDS",
+    "ANTHROPIC_PATH",
     "STORE_RETRY_AFTER_S",
     "ApiError",
     "anthropic_error_body",
@@ -33,6 +37,9 @@ __all__ = [
     "engine_error",
     "error_body",
     "error_body_for",
+    "error_body_on",
+    "internal_error",
+    "is_anthropic_path",
     "store_unavailable",
     "system_stopped",
     "unauthorized",
@@ -40,6 +47,15 @@ __all__ = [
 
 #: Seconds a client is told to wait when the store cannot be reached.
 STORE_RETRY_AFTER_S: Final = 5
+#: Anthropic's path: it and every path below it answer in Anthropic's shape.
+ANTHROPIC_PATH: Final = "/v1/messages"
+#: The request kinds answered in Anthropic's shape.
+ANTHROPIC_KINDS: Final = frozenset({"messages", "count_tokens"})
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether ``path`` is :data:`ANTHROPIC_PATH` or below it."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
 class ApiError(errors.LlmgwError):
@@ -118,6 +134,11 @@ def api_error(exc: errors.LlmgwError) -> ApiError:
         return ApiError(404, str(exc), code="not_found")
     if isinstance(exc, errors.InvalidInput):
         return bad_request(str(exc))
+    return internal_error()
+
+
+def internal_error() -> ApiError:
+    """500 ``internal_error``: a fault of the gateway's own (logged where it happened)."""
     return ApiError(500, "internal error", type="server_error", code="internal_error")
 
 
@@ -146,9 +167,17 @@ def engine_error(status: int, data: bytes) -> ApiError:
 
 
 def error_body_for(error: ApiError, kind: str) -> bytes:
-    """The body answering ``error`` on a route of ``kind`` (``messages``:
-    Anthropic's shape; any other: OpenAI's)."""
-    if kind == "messages":
+    """The body answering ``error`` on a route of ``kind`` (one of
+    :data:`ANTHROPIC_KINDS`: Anthropic's shape; any other: OpenAI's)."""
+    if kind in ANTHROPIC_KINDS:
+        return anthropic_error_body(error.status, error.message)
+    return error.body()
+
+
+def error_body_on(path: str, error: ApiError) -> bytes:
+    """The body answering ``error`` on ``path``: Anthropic's shape on
+    :data:`ANTHROPIC_PATH` and below (:func:`is_anthropic_path`), else OpenAI's."""
+    if is_anthropic_path(path):
         return anthropic_error_body(error.status, error.message)
     return error.body()
 

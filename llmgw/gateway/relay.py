@@ -32,7 +32,7 @@ from llmgw.settings import ServerSettings
 
 from . import anthropic, responses
 from .caching import CacheSlot, Caching
-from .errors import ApiError, engine_error, error_body, error_body_for
+from .errors import ApiError, engine_error, error_body_for
 from .http import JSON, NO_CACHE, SSE, answer
 from .request import Outcome, Request
 from .sse import SseRelay, Usage, usage_from
@@ -144,7 +144,8 @@ class Relay:
             if await self._attempt(send, request, route, attempt, outcome, body, keep):
                 return
 
-    def _pool(self, endpoint: Endpoint) -> UpstreamPool:
+    def pool(self, endpoint: Endpoint) -> UpstreamPool:
+        """The pooled connections to ``endpoint`` (made on first use)."""
         key = (endpoint.host, endpoint.port, endpoint.tls)
         pool = self._pools.get(key)
         if pool is None:
@@ -176,7 +177,7 @@ class Relay:
             (b"content-type", b"application/json"),
             (b"x-request-id", request.request_id.encode()),
         ]
-        pool = self._pool(endpoint)
+        pool = self.pool(endpoint)
         outcome.replica = endpoint.label
         with attempt:
             sent_at = time.perf_counter()
@@ -266,10 +267,14 @@ class Relay:
                 # client's fault, and not to be shown as theirs.
                 log.error("replica %s refused the engine key", endpoint.label)
                 status = 502
-                data = error_body(
-                    "The replica refused the gateway; retry.",
-                    type="server_error",
-                    code="upstream_error",
+                data = error_body_for(
+                    ApiError(
+                        502,
+                        "The replica refused the gateway; retry.",
+                        type="server_error",
+                        code="upstream_error",
+                    ),
+                    kind,
                 )
                 content_type = JSON
             elif status in (401, 403):

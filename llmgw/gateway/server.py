@@ -13,6 +13,8 @@ ASGI subset: ``http`` scopes (``method``, ``path``, ``raw_path``,
 ``http.request`` messages, then ``http.disconnect`` once the client has
 gone; ``send`` takes ``http.response.start`` and ``http.response.body``.
 Sending after the client has gone is silently dropped, as hypercorn does.
+An app that raises before it began its answer gets 500 ``internal_error``
+in the path's error shape (:func:`llmgw.gateway.errors.error_body_on`).
 
 Stop: when ``stop`` is set the listeners close at once, idle keep-alive
 connections are closed, and requests in flight get ``grace_s`` to finish;
@@ -29,6 +31,8 @@ import h11
 import trio
 
 from llmgw.asgi import Message, Receive, Scope, Send
+
+from .errors import error_body_on, internal_error
 
 __all__ = ["serve_http1"]
 
@@ -209,7 +213,7 @@ class _Connection:
         except Exception:
             log.exception("unhandled error answering %s %s", scope["method"], scope["path"])
             if not response_started:
-                body = b'{"error":{"message":"internal error","type":"server_error","code":null,"param":null}}'
+                body = error_body_on(scope["path"], internal_error())
                 await send(
                     {
                         "type": "http.response.start",

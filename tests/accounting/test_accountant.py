@@ -263,11 +263,35 @@ def test_headers_show_the_tightest_limited_counter_like_openai() -> None:
     assert headers == {
         b"x-ratelimit-limit-requests": b"4",
         b"x-ratelimit-remaining-requests": b"2",
-        b"x-ratelimit-reset-requests": b"1m48s",
+        b"x-ratelimit-reset-requests": b"48s",
         b"x-ratelimit-limit-tokens": b"10000",
         b"x-ratelimit-remaining-tokens": b"7000",
-        b"x-ratelimit-reset-tokens": b"1m48s",
+        b"x-ratelimit-reset-tokens": b"48s",
     }
+
+
+def _duration_s(text: str) -> float:
+    """A reset header's duration (``"1m21.333s"``, ``"200ms"``) in seconds."""
+    if text.endswith("ms"):
+        return float(text[:-2]) / 1000
+    minutes, _, seconds = text[:-1].rpartition("m")
+    return 60 * float(minutes or 0) + float(seconds)
+
+
+def test_a_60_rpm_keys_reset_headers_never_exceed_the_minute_answered_or_refused() -> None:
+    acc = Accountant(PRICES, default_rpm=60, default_tpm=6_000)
+    seen = []
+    for step in range(400):
+        now = NOW + step * 0.77
+        try:
+            headers = dict(acc.check(path(), "free", 40, now).headers())
+        except RateLimited:
+            headers = dict(acc.rate_headers(path(), now))
+        for kind in (b"requests", b"tokens"):
+            reset_s = _duration_s(headers[b"x-ratelimit-reset-" + kind].decode())
+            assert 0 < reset_s <= 60, (step, headers)
+            seen.append(reset_s)
+    assert max(seen) > 50  # the early seconds of a minute were seen
 
 
 def test_no_ratelimit_headers_when_nothing_on_the_path_is_limited() -> None:
@@ -331,6 +355,32 @@ def test_a_spent_budget_refuses_a_priced_request_even_with_no_token_estimate() -
     with pytest.raises(BudgetSpent):
         acc.check(levels, "cheap", 0, NOW)
     acc.check(levels, "free", 0, NOW)
+
+
+def test_a_request_that_spends_nothing_meets_the_allowlist_and_the_rpm_but_no_budget() -> None:
+    acc = Accountant(PRICES, default_rpm=None, default_tpm=None)
+    levels = path(
+        key=ScopeLimits("key:k1", rpm=2, tpm=10, budget_day_micros=0),
+        project=ScopeLimits("project:p_1", models=("gpt",)),
+    )
+    with pytest.raises(ModelNotAllowed) as refused:
+        acc.check_request(levels, "free", NOW)
+    assert refused.value.scope == "project:p_1"
+    first = acc.check_request(levels, "gpt", NOW)  # a spent budget does not refuse it
+    assert first.settled
+    assert first.estimate_tokens == 0
+    assert dict(first.headers())[b"x-ratelimit-remaining-requests"] == b"1"
+    assert dict(first.headers())[b"x-ratelimit-remaining-tokens"] == b"10"
+    acc.check_request(levels, "gpt", NOW)
+    with pytest.raises(RateLimited) as limited:
+        acc.check_request(levels, "gpt", NOW)
+    assert (limited.value.retry_after_s or 0) >= 1
+    assert acc.requests.rate("key:k1", NOW) == 2
+    assert acc.tokens.rate("key:k1", NOW) == 0
+    assert acc.held("key:k1", "day") == 0
+    # A message still meets its budget (checked before the rates).
+    with pytest.raises(BudgetSpent):
+        acc.check(levels, "gpt", 1, NOW)
 
 
 def test_settle_charges_the_served_models_price_when_a_fallback_answered() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from llmgw.accounting.limiter import Counts, Limiter, Window, minute_of
@@ -195,13 +195,59 @@ def test_retry_after_is_a_whole_second_when_the_cost_fits_and_not_much_earlier(
         assert limiter.rate(K, when + wait_s) == 0
 
 
-def test_seconds_to_reset_is_when_the_rate_is_back_to_zero() -> None:
+def test_seconds_to_reset_is_the_end_of_the_window_and_zero_once_nothing_is_counted() -> None:
     limiter = Limiter()
     assert limiter.seconds_to_reset(K, at(12, 0)) == 0
     limiter.charge(K, 3, at(12, 0, 10))
-    assert limiter.seconds_to_reset(K, at(12, 0, 10)) == 110
+    assert limiter.seconds_to_reset(K, at(12, 0, 10)) == 50
+    # The count is now the previous minute's: it weighs until this one ends.
     assert limiter.seconds_to_reset(K, at(12, 1, 10)) == 50
+    assert limiter.rate(K, at(12, 1, 10)) > 0
     assert limiter.seconds_to_reset(K, at(12, 2, 0)) == 0
+    assert limiter.rate(K, at(12, 2, 0)) == 0
+    # The time until the rate is back to 0 is another figure (up to two minutes).
+    window = Window(start=minute_of(at(12, 0)), current=3)
+    assert window.seconds_to_empty(at(12, 0, 10)) == 110
+
+
+#: One step of a counter's life: (seconds on from the last step, which may
+#: be negative for a clock that went back; the cost charged then).
+_steps = st.lists(
+    st.tuples(
+        st.floats(min_value=-90, max_value=200, allow_nan=False),
+        st.integers(min_value=-50, max_value=500),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=500)
+@given(
+    start=st.floats(min_value=0, max_value=10**10, allow_nan=False),
+    steps=_steps,
+    others=st.tuples(st.integers(0, 1000), st.integers(0, 1000)),
+    probe_s=st.floats(min_value=-120, max_value=300, allow_nan=False),
+)
+def test_seconds_to_reset_never_exceeds_the_window_and_is_zero_only_when_the_rate_is(
+    start: float, steps: list[tuple[float, int]], others: tuple[int, int], probe_s: float
+) -> None:
+    limiter = Limiter()
+    now = start
+    for i, (step_s, cost) in enumerate(steps):
+        now += step_s
+        if i == len(steps) // 2:
+            cur, prev = others
+            limiter.set_others(Counts(minute_of(now), {K: cur}, {K: prev}), now)
+        limiter.charge(K, cost, now, charged_at=now - abs(step_s))
+        reset_s = limiter.seconds_to_reset(K, now)
+        assert 0 <= reset_s <= 60
+    when = now + probe_s
+    reset_s = limiter.seconds_to_reset(K, when)
+    assert 0 <= reset_s <= 60
+    if reset_s == 0:
+        assert limiter.rate(K, when) == 0
+    if limiter.rate(K, when) > 0:
+        assert reset_s > 0
 
 
 def test_forget_drops_a_counter() -> None:

@@ -340,6 +340,74 @@ def test_anthropic_messages_streamed_and_its_usage_row_counts_each_token_once(
     assert row["cached_tokens"] == (usage.cache_read_input_tokens or 0)
 
 
+def test_anthropic_count_tokens_is_the_input_a_message_then_uses(
+    claude: anthropic.Anthropic,
+) -> None:
+    tool: Any = {"name": "weather", "description": "The weather", "input_schema": WEATHER_SCHEMA}
+    ask: Any = {
+        "model": MODEL,
+        "system": "You are terse.",
+        "messages": [{"role": "user", "content": "how many tokens is this?"}],
+        "tools": [tool],
+    }
+    counted = claude.messages.count_tokens(**ask)
+    # Three words of system prompt and five of question, as the sim counts them.
+    assert counted.input_tokens == 8
+    usage = claude.messages.create(max_tokens=2, **ask).usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == counted.input_tokens
+
+
+def test_anthropic_errors_reach_the_anthropic_client_in_its_own_shape(
+    up: Any, claude: anthropic.Anthropic
+) -> None:
+    hello: Any = [{"role": "user", "content": "hi"}]
+
+    def refused(error: anthropic.APIStatusError, kind: str) -> str:
+        doc = error.response.json()
+        assert doc["type"] == "error", doc
+        assert set(doc["error"]) == {"type", "message"}, doc
+        assert doc["error"]["type"] == kind, doc
+        message: str = doc["error"]["message"]
+        return message
+
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        claude.messages.count_tokens(model="nope", messages=hello)
+    assert "nope" in refused(missing.value, "not_found_error")
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.count_tokens(model=MODEL, messages=[])
+    assert "messages" in refused(bad.value, "invalid_request_error")
+    with pytest.raises(anthropic.NotFoundError) as no_batches:
+        claude.messages.batches.list()
+    refused(no_batches.value, "not_found_error")
+
+    with anthropic.Anthropic(
+        base_url=up.base_url, api_key="sk-llmgw-nope", max_retries=0, timeout=TIMEOUT_S
+    ) as stranger:
+        with pytest.raises(anthropic.AuthenticationError) as unknown:
+            stranger.messages.count_tokens(model=MODEL, messages=hello)
+        refused(unknown.value, "authentication_error")
+        with pytest.raises(anthropic.AuthenticationError) as unknown:
+            stranger.messages.create(model=MODEL, max_tokens=2, messages=hello)
+        refused(unknown.value, "authentication_error")
+
+    made = up.cli("keys", "create", "one-a-minute", "--json")
+    assert made.returncode == 0, made.stderr
+    key = json.loads(made.stdout)
+    limits = up.cli("keys", "limits", "--scope", "key", "--id", key["id"], "--rpm", "1")
+    assert limits.returncode == 0, limits.stderr
+    with anthropic.Anthropic(
+        base_url=up.base_url, api_key=key["key"], max_retries=0, timeout=TIMEOUT_S
+    ) as slow:
+        assert slow.messages.count_tokens(model=MODEL, messages=hello).input_tokens == 1
+        with pytest.raises(anthropic.RateLimitError) as limited:
+            slow.messages.count_tokens(model=MODEL, messages=hello)
+        refused(limited.value, "rate_limit_error")
+        assert int(limited.value.response.headers["retry-after"]) >= 1
+        with pytest.raises(anthropic.RateLimitError) as limited:
+            slow.messages.create(model=MODEL, max_tokens=2, messages=hello)
+        refused(limited.value, "rate_limit_error")
+
+
 def test_anthropic_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     tool: Any = {"name": "weather", "description": "The weather", "input_schema": WEATHER_SCHEMA}
     messages: list[Any] = [{"role": "user", "content": "weather in Oslo?"}]

@@ -146,6 +146,31 @@ def test_anthropic_messages_streamed_and_not(up: Any, claude: anthropic.Anthropi
     assert row["prompt_tokens"] == usage.input_tokens + (usage.cache_read_input_tokens or 0)
 
 
+def test_anthropic_count_tokens_is_what_the_model_is_then_sent(
+    up: Any, claude: anthropic.Anthropic
+) -> None:
+    ask: Any = {
+        "model": MODEL,
+        "system": "Answer briefly.",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    }
+    counted = claude.messages.count_tokens(**ask)
+    usage = claude.messages.create(max_tokens=1, **ask).usage
+    assert counted.input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0)
+    # Gemma's tokenizer, not a guess from the text's length: a word a token or so.
+    longer = claude.messages.count_tokens(
+        model=MODEL,
+        system="Answer briefly.",
+        messages=[{"role": "user", "content": "What is the capital of France and of Spain?"}],
+    )
+    assert longer.input_tokens - counted.input_tokens == 3  # " and", " of", " Spain"
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.count_tokens(
+            **ask, tools=[{"name": "f", "input_schema": {"type": "object"}}]
+        )
+    assert "--no-jinja" in caught.value.response.json()["error"]["message"]
+
+
 def test_tools_are_refused_clearly_while_the_starter_runs_without_jinja(
     up: Any, client: openai.OpenAI
 ) -> None:

@@ -428,6 +428,19 @@ def test_bad_requests_are_refused_with_400_naming_the_field(
     assert param.split(".")[0] in caught.value.message
 
 
+def test_a_count_tokens_body_may_leave_max_tokens_out_but_not_give_a_bad_one() -> None:
+    chat = request_to_chat(_request(max_tokens=None, system="sys"), counting=True)
+    assert chat == {
+        "model": "m",
+        "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "x"}],
+    }
+    assert request_to_chat(_request(max_tokens=7), counting=True)["max_tokens"] == 7
+    for bad in (0, "5", True):
+        with pytest.raises(ApiError) as caught:
+            request_to_chat(_request(max_tokens=bad), counting=True)
+        assert caught.value.param == "max_tokens"
+
+
 # -- the answer -------------------------------------------------------------------------
 
 

@@ -15,6 +15,9 @@ from llmgw.gateway.errors import (
     bad_request,
     engine_error,
     error_body_for,
+    error_body_on,
+    internal_error,
+    is_anthropic_path,
     unauthorized,
 )
 from llmgw.gateway.upstream import UpstreamError
@@ -156,3 +159,27 @@ def test_an_api_error_is_answered_as_it_is_with_its_param() -> None:
     assert orjson.loads(error_body_for(error, "messages"))["error"]["type"] == (
         "invalid_request_error"
     )
+
+
+@pytest.mark.parametrize(
+    ("path", "anthropic_shaped"),
+    [
+        ("/v1/messages", True),
+        ("/v1/messages/count_tokens", True),
+        ("/v1/messages/batches/msgbatch_1", True),
+        ("/v1/messagesx", False),
+        ("/v1/chat/completions", False),
+        ("/v1/models", False),
+        ("/nowhere", False),
+    ],
+)
+def test_anthropics_paths_are_its_own_and_every_one_below_it(
+    path: str, anthropic_shaped: bool
+) -> None:
+    assert is_anthropic_path(path) is anthropic_shaped
+    doc = orjson.loads(error_body_on(path, internal_error()))
+    if anthropic_shaped:
+        assert doc == {"type": "error", "error": {"type": "api_error", "message": "internal error"}}
+    else:
+        assert doc["error"]["code"] == "internal_error"
+    assert orjson.loads(error_body_for(internal_error(), "count_tokens"))["type"] == "error"

@@ -34,7 +34,7 @@ from llmgw.settings import (
     ServingSettings,
 )
 from llmgw.store import ModelRecord, Store, UsageRow, open_sqlite_store
-from llmgw.store.records import Limits
+from llmgw.store.records import External, Limits
 
 ENGINE_KEY = "engine-secret"
 
@@ -68,6 +68,17 @@ class Rig:
     ) -> Answer:
         """One request, as an ASGI call in memory."""
         data = b"" if body is None else orjson.dumps(body)
+        return await self.call_raw(method, path, data, headers=headers)
+
+    async def call_raw(
+        self,
+        method: str,
+        path: str,
+        data: bytes,
+        *,
+        headers: Sequence[tuple[bytes, bytes]] | None = None,
+    ) -> Answer:
+        """One request whose body is ``data`` as it is, as an ASGI call in memory."""
         if headers is None:
             headers = [(b"authorization", f"Bearer {self.secret}".encode())]
         scope = {
@@ -292,3 +303,239 @@ async def test_live_settings_are_followed_once_replaced(rig: Rig) -> None:
     rig.cluster.apply_settings(ServerSettings(serving=ServingSettings(stopped=True)))
     got = await rig.call("POST", "/v1/chat/completions", body)
     assert (got.status, got.json()["error"]["code"]) == (503, "system_stopped")
+
+
+# --- Anthropic's count_tokens, and Anthropic's error shape on its paths ---------------
+
+COUNT = "/v1/messages/count_tokens"
+ASK = [{"role": "user", "content": "how many tokens are in here?"}]
+WEATHER = {
+    "name": "weather",
+    "description": "The weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+def anthropic_error(got: Answer, status: int, kind: str) -> str:
+    """The message of an answer in Anthropic's error shape, checked to be one."""
+    assert got.status == status, got.body
+    doc = got.json()
+    assert set(doc) == {"type", "error"}, doc
+    assert doc["type"] == "error"
+    assert set(doc["error"]) == {"type", "message"}, doc
+    assert doc["error"]["type"] == kind, doc
+    message: str = doc["error"]["message"]
+    assert message
+    return message
+
+
+async def key_with(rig: Rig, limits: Limits) -> str:
+    """A new key in the rig's project with its own ``limits``."""
+    path, _ = await rig.store.ensure_project("acme", "search", "web", time.time())
+    secret, record = new_key("limited")
+    await rig.store.insert_key(attrs.evolve(record, project_id=path.project.id, limits=limits))
+    return secret
+
+
+def bearer(secret: str) -> list[tuple[bytes, bytes]]:
+    return [(b"x-api-key", secret.encode())]
+
+
+async def test_count_tokens_is_the_engines_count_of_what_a_message_would_send(rig: Rig) -> None:
+    cases: list[dict[str, Any]] = [
+        {"messages": ASK},
+        {"system": "You answer briefly.", "messages": ASK},
+        {
+            "system": [{"type": "text", "text": "Be kind."}],
+            "messages": [
+                *ASK,
+                {"role": "assistant", "content": [{"type": "text", "text": "Forty-two."}]},
+                {"role": "user", "content": "and now?"},
+            ],
+            "tools": [WEATHER],
+        },
+    ]
+    counts = []
+    for case in cases:
+        got = await rig.call("POST", COUNT, {"model": "sim", **case})
+        assert got.status == 200, got.body
+        assert got.headers[b"content-type"] == b"application/json"
+        assert b"x-ratelimit-remaining-requests" in got.headers
+        counted = got.json()
+        assert set(counted) == {"input_tokens"}
+        sent = await rig.call(
+            "POST", "/v1/messages", {"model": "sim-model", "max_tokens": 2, **case}
+        )
+        assert sent.status == 200, sent.body
+        usage = sent.json()["usage"]
+        # Anthropic's input_tokens leave out what was read from the cache.
+        assert counted["input_tokens"] == usage["input_tokens"] + usage.get(
+            "cache_read_input_tokens", 0
+        )
+        counts.append(counted["input_tokens"])
+    assert counts[0] < counts[1] < counts[2]
+
+
+async def test_count_tokens_writes_no_usage_row_but_counts_as_a_request(rig: Rig) -> None:
+    secret = await key_with(rig, Limits(rpm=2))
+    body = {"model": "sim-model", "messages": ASK}
+    first = await rig.call("POST", COUNT, body, headers=bearer(secret))
+    assert first.status == 200, first.body
+    assert b"x-request-id" not in first.headers
+    assert first.headers[b"x-ratelimit-limit-requests"] == b"2"
+    assert first.headers[b"x-ratelimit-remaining-requests"] == b"1"
+    assert (await rig.call("POST", COUNT, body, headers=bearer(secret))).status == 200
+    refused = await rig.call("POST", COUNT, body, headers=bearer(secret))
+    message = anthropic_error(refused, 429, "rate_limit_error")
+    assert "request" in message
+    assert int(refused.headers[b"retry-after"]) >= 1
+    assert refused.headers[b"x-ratelimit-remaining-requests"] == b"0"
+    # The same key's messages are limited by the same count.
+    sent = await rig.call("POST", "/v1/messages", {**body, "max_tokens": 2}, headers=bearer(secret))
+    anthropic_error(sent, 429, "rate_limit_error")
+    await rig.usage.flush(rig.store)
+    assert [r.status for r in await rig.store.list_usage(last=100)] == [429]
+
+
+async def test_count_tokens_refusals_are_in_anthropics_shape(rig: Rig) -> None:
+    body = {"model": "sim-model", "messages": ASK}
+    anthropic_error(await rig.call("POST", COUNT, body, headers=[]), 401, "authentication_error")
+    anthropic_error(
+        await rig.call("POST", COUNT, body, headers=bearer("sk-llmgw-nope")),
+        401,
+        "authentication_error",
+    )
+    assert "nope" in anthropic_error(
+        await rig.call("POST", COUNT, {**body, "model": "nope"}), 404, "not_found_error"
+    )
+    assert "messages" in anthropic_error(
+        await rig.call("POST", COUNT, {"model": "sim-model"}), 400, "invalid_request_error"
+    )
+    assert "max_tokens" in anthropic_error(
+        await rig.call("POST", COUNT, {**body, "max_tokens": 0}), 400, "invalid_request_error"
+    )
+    not_json = await rig.call_raw("POST", COUNT, b"{not json")
+    assert "JSON" in anthropic_error(not_json, 400, "invalid_request_error")
+    wrong = await rig.call("GET", COUNT)
+    anthropic_error(wrong, 405, "invalid_request_error")
+    assert wrong.headers[b"allow"] == b"POST"
+    narrow = await key_with(rig, Limits(models=("elsewhere",)))
+    assert "sim-model" in anthropic_error(
+        await rig.call("POST", COUNT, body, headers=bearer(narrow)), 403, "permission_error"
+    )
+    rig.cluster.apply_settings(ServerSettings(serving=ServingSettings(stopped=True)))
+    assert "stopped" in anthropic_error(
+        await rig.call("POST", COUNT, body), 503, "overloaded_error"
+    )
+
+
+async def test_count_tokens_asks_only_a_replica_of_the_model_itself(rig: Rig) -> None:
+    # 'elsewhere' has no replica; its fallback's tokenizer is another model's.
+    got = await rig.call("POST", COUNT, {"model": "elsewhere", "messages": ASK})
+    anthropic_error(got, 503, "overloaded_error")
+    assert got.headers[b"retry-after"] == b"5"
+
+
+async def test_count_tokens_when_the_replica_fails(rig: Rig) -> None:
+    body = {"model": "sim-model", "messages": ASK}
+    endpoint = rig.cluster.endpoints["sim-model"][0]
+    endpoint.api_key = "not-the-engine-key"
+    anthropic_error(await rig.call("POST", COUNT, body), 502, "api_error")
+    endpoint.port = 1  # nothing listens there
+    assert "did not answer" in anthropic_error(
+        await rig.call("POST", COUNT, body), 502, "api_error"
+    )
+
+
+async def test_count_tokens_is_refused_for_a_model_of_an_outside_provider(rig: Rig) -> None:
+    outside = ModelRecord(
+        name="outside",
+        external=External(url="https://api.example.com", model="gpt-x", api_key_files=()),
+    )
+    rig.cluster.replace_catalog({**rig.cluster.models, "outside": outside})
+    got = await rig.call("POST", COUNT, {"model": "outside", "messages": ASK})
+    assert "outside provider" in anthropic_error(got, 400, "invalid_request_error")
+
+
+async def test_every_error_on_an_anthropic_path_is_in_anthropics_shape(rig: Rig) -> None:
+    message = {"model": "sim-model", "max_tokens": 2, "messages": ASK}
+    anthropic_error(
+        await rig.call("POST", "/v1/messages", message, headers=[]), 401, "authentication_error"
+    )
+    anthropic_error(await rig.call("GET", "/v1/messages"), 405, "invalid_request_error")
+    anthropic_error(await rig.call("POST", "/v1/messages/batches", message), 404, "not_found_error")
+    anthropic_error(await rig.call("GET", "/v1/messages/msg_1"), 404, "not_found_error")
+    anthropic_error(
+        await rig.call_raw("POST", "/v1/messages", b"[1,"), 400, "invalid_request_error"
+    )
+    anthropic_error(
+        await rig.call("POST", "/v1/messages", {**message, "max_tokens": 10**6}),
+        400,
+        "invalid_request_error",
+    )
+    # Not Anthropic's: OpenAI's shape.
+    assert (await rig.call("POST", "/v1/messagesx", message)).json()["error"]["code"] == (
+        "unknown_url"
+    )
+    assert (await rig.call("GET", "/v1/models/x")).json()["error"]["code"] == "unknown_url"
+    # The engine refusing the gateway's key is the gateway's failure: 502.
+    endpoint = rig.cluster.endpoints["sim-model"][0]
+    endpoint.api_key = "not-the-engine-key"
+    anthropic_error(await rig.call("POST", "/v1/messages", message), 502, "api_error")
+    endpoint.port = 1
+    anthropic_error(await rig.call("POST", "/v1/messages", message), 502, "api_error")
+    rig.cluster.set_fixed_endpoints({})
+    anthropic_error(await rig.call("POST", "/v1/messages", message), 503, "overloaded_error")
+    rig.cluster.apply_settings(ServerSettings(serving=ServingSettings(stopped=True)))
+    for path in ("/v1/messages", COUNT, "/v1/messages/batches"):
+        anthropic_error(await rig.call("POST", path, message), 503, "overloaded_error")
+
+
+async def test_an_engines_own_error_is_passed_on_in_anthropics_shape(rig: Rig) -> None:
+    failing = SimEngine(
+        SimConfig(model="sim-model", fail_rate=1.0, fail_status=500, tick_ms=0),
+        api_key=ENGINE_KEY,
+    )
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+        address = await nursery.start(serve_http1, failing, "127.0.0.1:0", stop, 1.0)
+        rig.cluster.endpoints["sim-model"][0].port = int(address.rsplit(":", 1)[1])
+        got = await rig.call(
+            "POST", "/v1/messages", {"model": "sim-model", "max_tokens": 2, "messages": ASK}
+        )
+        assert "simulated failure" in anthropic_error(got, 500, "api_error")
+        stop.set()
+
+
+async def test_a_gateway_fault_is_a_500_in_the_paths_shape() -> None:
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("a bug")
+
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+        address = await nursery.start(serve_http1, broken, "127.0.0.1:0", stop, 1.0)
+        port = int(address.rsplit(":", 1)[1])
+        for path, anthropic_shaped in (("/v1/messages", True), ("/v1/chat/completions", False)):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(
+                    f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n".encode()
+                )
+                data = b""
+                with trio.fail_after(10):
+                    while b"}" not in data.partition(b"\r\n\r\n")[2][-2:]:
+                        chunk = await stream.receive_some(65536)
+                        if not chunk:
+                            break
+                        data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 500"), head
+            doc = orjson.loads(body)
+            if anthropic_shaped:
+                assert doc == {
+                    "type": "error",
+                    "error": {"type": "api_error", "message": "internal error"},
+                }
+            else:
+                assert doc["error"]["code"] == "internal_error"
+        stop.set()
