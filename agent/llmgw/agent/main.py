@@ -6,14 +6,14 @@
 running; the next agent process on the same state directory adopts them
 (``docs/architecture.md``, Tasks; ``docs/catalog.md``, adoption).
 
-Telemetry: memory bandwidth is measured
-only after the agent reached its control plane, first after a random pause
-(10-120 s by default, so machines that boot together do not measure
-together), then hourly, keeping the best figure; it goes in every
-``Heartbeat`` and the next ``Register``. Each measurement waits for an idle
-node, runs at the lowest CPU priority and gives way when the node gets busy
-(:mod:`llmgw.agent.background`; ``docs/up.md``, "Background measurements"). GPU readings are taken at
-most every :data:`GPU_READ_INTERVAL_S` and dropped when older than
+Telemetry: memory bandwidth is measured only after the agent reached its
+control plane, first after a random pause (10-120 s by default, so machines
+that boot together do not measure together), then hourly, keeping the best
+figure; it goes in every ``Heartbeat`` and the next ``Register``. Each
+measurement waits for an idle node, runs at the lowest CPU priority and
+gives way when the node gets busy (:mod:`llmgw.agent.background`;
+``docs/up.md``, "Background measurements"). GPU readings are taken at most
+every :data:`GPU_READ_INTERVAL_S` and dropped when older than
 :data:`GPU_READING_MAX_AGE_S`.
 """
 
