@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -30,6 +33,8 @@ from llmgw.agent.background import (
     run_when_idle,
 )
 from llmgw.agent.bandwidth import Bandwidth, BandwidthInterrupted, measure_bandwidth
+from llmgw.agent.weights import assemble_starter_model
+from llmgw.engines.testing import engine_process_env, read_line, stop_process
 
 MIB = 1024**2
 #: ``SCHED_IDLE`` in ``/proc/PID/task/TID/stat``'s policy field.
@@ -273,3 +278,104 @@ async def test_a_busy_node_read_from_proc_stat_keeps_it_waiting(short_windows: N
             spinner.kill()
             with trio.move_on_after(10):
                 await spinner.wait()
+
+
+#: Where the engine tests keep the assembled starter GGUF (tests/engines/conftest.py).
+CACHE_DIR = Path("/tmp/llmgw-test-cache")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@linux_only
+@pytest.mark.slow
+async def test_the_real_probe_waits_while_the_starter_model_answers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's case, real throughout: llama.cpp streams an answer from
+    the starter model while the probe (reading /proc/stat) is due: it does
+    not start while the answer streams. Then, where the node becomes idle
+    (skipped on a machine others keep busy), it starts, and a new request
+    makes it give way."""
+    caplog.set_level(logging.INFO, logger="llmgw.agent")
+    model = await trio.to_thread.run_sync(assemble_starter_model, CACHE_DIR)
+    port = _free_port()
+    cpus = os.cpu_count() or 1
+    argv = [
+        *(sys.executable, "-m", "llmgw.engines.llamacpp", "-m", str(model)),
+        *("--port", str(port), "--parallel", "1", "--threads", "1", "-c", "4096"),
+    ]
+    with (tmp_path / "llama.log").open("wb") as log:
+        engine = await trio.lowlevel.open_process(
+            argv, stdout=subprocess.PIPE, stderr=log, env=engine_process_env("")
+        )
+    tries: list[Yielding] = []
+    started = trio.Event()
+    measured: list[Bandwidth] = []
+    long_answer = {"prompt": "Once upon a time", "n_predict": 4000, "ignore_eos": True}
+    skipped = ""
+
+    def work(run: Yielding) -> Bandwidth:
+        tries.append(run)
+        trio.from_thread.run_sync(started.set)
+        # Measures again and again for a minute, so that the request below
+        # surely comes while it runs.
+        end = time.monotonic() + 60
+        while True:
+            result = measure_bandwidth(buffer_bytes=64 * MIB, seconds=0.2, run=run)
+            if time.monotonic() > end:
+                return result
+
+    async def probe() -> None:
+        measured.append(
+            await run_when_idle(
+                "memory bandwidth measurement",
+                work,
+                busy_cpus=busy_cpus_threshold(cpus),
+                interrupted=BandwidthInterrupted,
+                retry_after_s=3600.0,  # one try is enough here
+            )
+        )
+
+    try:
+        assert engine.stdout is not None
+        with trio.fail_after(180):
+            buffer = bytearray()
+            while "listening on" not in await read_line(engine.stdout, buffer):
+                pass
+            async with (
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client,
+                trio.open_nursery() as nursery,
+            ):
+                streamed = {**long_answer, "stream": True}
+                async with client.stream("POST", "/completion", json=streamed) as answer:
+                    lines = answer.aiter_lines()
+                    await anext(lines)  # the first token: the answer is streaming
+                    nursery.start_soon(probe)
+                    tokens = 0
+                    async for line in lines:
+                        tokens += line.startswith("data: ")
+                        if tokens >= 400:
+                            break
+                    # 400 tokens streamed, many windows: the probe never started.
+                    assert not started.is_set()
+                # The stream is closed: llama.cpp stops generating.
+                with trio.move_on_after(30):
+                    await started.wait()
+                if not started.is_set():
+                    skipped = "the node never became idle (others keep it busy)"
+                else:
+                    reply = await client.post("/completion", json={**long_answer, "n_predict": 200})
+                    assert reply.status_code == 200
+                    assert not measured
+                    assert tries[0].stop.is_set()
+                nursery.cancel_scope.cancel()
+        if skipped:
+            pytest.skip(skipped)
+        assert "memory bandwidth measurement gave way: the node got busy" in caplog.text
+    finally:
+        await stop_process(engine)
