@@ -19,12 +19,61 @@ from llmgw.control.planning import PlanningError, read_model_facts, suggested_mi
 from llmgw.engines.registry import check_args
 from llmgw.store import ModelRecord, Store
 
-__all__ = ["UP_OWNER", "ModelFlags", "model_records", "set_catalog"]
+__all__ = [
+    "STARTER_CHAT_ARGS",
+    "STARTER_CHAT_TEMPLATE",
+    "UP_OWNER",
+    "ModelFlags",
+    "model_records",
+    "set_catalog",
+]
 
 log = logging.getLogger("llmgw.up")
 
 #: The ``owner`` of the catalog entries ``llmgw up`` makes from its flags.
 UP_OWNER: Final = "llmgw up"
+
+#: How chat reaches the starter model, a *pre-trained* Gemma 3 270M (its
+#: GGUF is named ``Gemma 3 270m``, not the ``-it`` tune, and carries no chat
+#: template). It learnt plain text after ``<bos>``, never Gemma's
+#: ``<start_of_turn>`` turns: under them it repeats the question and then
+#: tokens it never learnt (llama.cpp does put ``<bos>`` first). So the
+#: conversation is written as plain questions and answers after two
+#: examples, which it continues with one answer; the next ``Question:`` it
+#: starts is a stop string (``--reverse-prompt``; a request's own ``stop``
+#: replaces them). A system message goes first as a paragraph. Tools are
+#: refused: llama.cpp answers 400 with the template's message.
+#: ``docs/up.md``, "The starter model's chat".
+STARTER_CHAT_TEMPLATE: Final = (
+    "{#- llmgw: chat as plain questions and answers, for a pre-trained model -#}\n"
+    "{%- if tools -%}{{- raise_exception('the starter model takes no tools: "
+    "it is a pre-trained model, not tuned to call them') -}}{%- endif -%}\n"
+    "{%- set ns = namespace(system='') -%}\n"
+    "{%- for m in messages if m.role == 'system' -%}"
+    "{%- set ns.system = ns.system + (m.content | trim) + '\\n\\n' -%}{%- endfor -%}\n"
+    "{{- ns.system -}}\n"
+    "{{- 'Question: Hello!\\nAnswer: Hello! How can I help you?\\n\\n' -}}\n"
+    "{{- 'Question: What is the largest planet?\\nAnswer: Jupiter is the largest planet.\\n\\n' -}}\n"
+    "{%- for m in messages -%}\n"
+    "{%- if m.role == 'user' -%}{{- 'Question: ' + (m.content | trim) + '\\n' -}}\n"
+    "{%- elif m.role == 'assistant' -%}{{- 'Answer: ' + (m.content | trim) + '\\n\\n' -}}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}{{- 'Answer:' -}}{%- endif -%}\n"
+)
+
+#: The llama.cpp arguments :data:`STARTER_CHAT_TEMPLATE` comes with
+#: (``--jinja`` first: llama-server reads ``--chat-template`` as a
+#: template's text only after it).
+STARTER_CHAT_ARGS: Final = (
+    "--jinja",
+    "--chat-template",
+    STARTER_CHAT_TEMPLATE,
+    "--reverse-prompt",
+    "\n\nQuestion:",
+    "--reverse-prompt",
+    "\nQuestion:",
+)
 
 Say = Callable[[str], None]
 
@@ -101,11 +150,7 @@ async def _gguf_model_record(
     say(f"model checked: {STARTER_MODEL_NAME} sha256 {starter.EXPECTED_SHA256[:16]}… ({path})")
     args = tuple(flags.engine_args)
     if "--chat-template" not in args:
-        # The starter GGUF carries no chat template; without one llama.cpp
-        # formats chat for another model family and answers start with its
-        # tokens. Gemma's template is built into llama.cpp under that name;
-        # with Jinja on, the name would be taken as a template's text.
-        args = ("--chat-template", "gemma", "--no-jinja", *args)
+        args = (*STARTER_CHAT_ARGS, *args)
     if "--embeddings" not in args and "--embedding" not in args:
         # /v1/embeddings too; OpenAI's API needs the tokens pooled, and
         # llama.cpp's default for this model is none. Chat is unchanged.

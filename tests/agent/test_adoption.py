@@ -277,7 +277,11 @@ async def test_the_agent_registers_adopted_shards_and_reports_bandwidth(
     monkeypatch.setattr(
         main,
         "_bandwidth_measurer",
-        lambda: (lambda: FakeBandwidth(core_gbps=9.5, machine_gbps=21.25), RuntimeError),
+        lambda: (
+            lambda **_: FakeBandwidth(core_gbps=9.5, machine_gbps=21.25),
+            RuntimeError,
+            KeyError,
+        ),
     )
     send, receive = trio.open_memory_channel[protocol.Message](1000)
     hub = FakeHub(send, receive)
@@ -293,6 +297,8 @@ async def test_the_agent_registers_adopted_shards_and_reports_bandwidth(
                 node_id="node-x",
                 state_dir=tmp_path / "state",
                 bandwidth_first_delay_s=(0.0, 0.0),
+                # Whatever else runs on this machine, the node counts as idle.
+                bandwidth_busy_cpus=1e6,
             )
 
             async with trio.open_nursery() as first:

@@ -48,8 +48,8 @@ def test_the_starter_model_streams_an_answer_with_usage_through_the_openai_clien
     assert usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens is not None
     assert all(c.model == MODEL for c in chunks)
-    # Gemma's chat template is applied: the prompt is more than the words.
-    assert usage.prompt_tokens > 3 + 4  # three words, plus the template's turn markers
+    # The starter's chat template is applied: the prompt is more than the words.
+    assert usage.prompt_tokens > 3 + 4  # three words, plus the template's examples
     assert "<start_of_turn>" not in text
     assert "<|im_start|>" not in text
 

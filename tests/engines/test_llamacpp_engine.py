@@ -168,7 +168,15 @@ def test_the_launcher_turns_llama_server_flags_into_xllamacpp_common_params() ->
     assert params.cpuparams_batch.n_threads == 2
     assert params.chat_template == "chatml"
     assert params.cache_ram_mib == 0
+    assert params.antiprompt == []
     assert common_params(ns, "").api_keys == []
+
+
+def test_the_launchers_reverse_prompts_become_llama_cpps_default_stop_strings() -> None:
+    ns = parse_args(["-m", "m.gguf", "--jinja", "-r", "\n\nQuestion:", "--reverse-prompt", "\nQ:"])
+    params = common_params(ns, "")
+    assert params.antiprompt == ["\n\nQuestion:", "\nQ:"]
+    assert params.use_jinja is True
 
 
 async def test_the_launcher_refuses_an_unknown_flag_with_exit_code_2() -> None:

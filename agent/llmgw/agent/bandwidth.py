@@ -11,10 +11,15 @@ The buffer is at most 2 GiB and at most ¼ of ``MemAvailable``, and at least
 is measured (:class:`BandwidthError`) and the caller tries again later.
 Within those bounds it is ``max(512 MiB, 64 MiB per CPU)``.
 
-Runs in a few seconds and blocks: call it from a worker thread
-(``await trio.to_thread.run_sync(measure_bandwidth)``), after the agent has
-reached its control plane, never in the start-up scan. Allocating the buffer
-is part of the cost (first touch of each page: ~1-2 s per GiB on a VM).
+Runs in a few seconds and blocks: the agent runs it through
+:func:`llmgw.agent.background.run_when_idle`, after it has reached its
+control plane, never in the start-up scan. Allocating the buffer is part of
+the cost (first touch of each page: ~1-2 s per GiB on a VM). Every touch and
+sum runs in threads of its own at the lowest CPU priority
+(:func:`~llmgw.agent.background.lowest_cpu_priority`), in pieces of
+:data:`PIECE_BYTES`, between which a set
+:attr:`~llmgw.agent.background.Yielding.stop` ends the measurement with
+:class:`BandwidthInterrupted`.
 """
 
 from __future__ import annotations
@@ -32,11 +37,15 @@ import numpy as np
 
 from llmgw import errors
 
+from .background import Yielding, lowest_cpu_priority
+
 __all__ = [
     "MAX_BUFFER_BYTES",
     "MIN_BUFFER_BYTES",
+    "PIECE_BYTES",
     "Bandwidth",
     "BandwidthError",
+    "BandwidthInterrupted",
     "buffer_bytes_for",
     "largest_cache_bytes",
     "measure_bandwidth",
@@ -51,6 +60,9 @@ MIN_BUFFER_BYTES: Final = 256 * MIB
 _CORE_BYTES: Final = 512 * MIB
 _ALL_PASSES: Final = 4
 _CORE_PASSES: Final = 3
+#: Each thread touches and sums its part in pieces of this size, checking
+#: between pieces whether it should stop (32 MiB: a few ms each).
+PIECE_BYTES: Final = 32 * MIB
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)", re.IGNORECASE)
 _SIZE_UNIT: Final = {"": 1, "K": 1024, "M": MIB, "G": 1024 * MIB}
 
@@ -58,6 +70,11 @@ _SIZE_UNIT: Final = {"": 1, "K": 1024, "M": MIB, "G": 1024 * MIB}
 class BandwidthError(errors.AgentError, RuntimeError):
     """Nothing was measured: not enough memory for a buffer of the minimum
     size (the message gives the figures), or the buffer could not be had."""
+
+
+class BandwidthInterrupted(BandwidthError):
+    """Nothing was measured: stopped part-way because the node got busy
+    (:attr:`~llmgw.agent.background.Yielding.stop`)."""
 
 
 @attrs.frozen
@@ -132,49 +149,74 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def _in_threads(chunks: list[np.ndarray], work: Callable[[np.ndarray], object]) -> float:
-    """Run ``work`` on every chunk at once, one thread each; the wall time
-    from the first start to the last end, seconds."""
-    if len(chunks) == 1:
-        start = time.perf_counter()
-        work(chunks[0])
-        return time.perf_counter() - start
+def _in_threads(
+    chunks: list[np.ndarray], work: Callable[[np.ndarray], object], run: Yielding
+) -> float:
+    """Run ``work`` on every chunk at once, one new thread each at the
+    lowest CPU priority, piece by piece (:data:`PIECE_BYTES`); the wall time
+    from the first start to the last end, seconds. The calling thread only
+    waits.
+
+    Raises:
+        BandwidthInterrupted: ``run.stop`` was set.
+    """
     barrier = threading.Barrier(len(chunks))
     starts = [0.0] * len(chunks)
     ends = [0.0] * len(chunks)
-    errors: list[BaseException] = []
+    failures: list[BaseException] = []
+    step = max(1, PIECE_BYTES // max(chunks[0].itemsize, 1))
 
-    def run(index: int) -> None:
+    def run_one(index: int) -> None:
+        lowest_cpu_priority()
+        run.joined()
+        cpu = time.thread_time()
         try:
             barrier.wait()
             starts[index] = time.perf_counter()
-            work(chunks[index])
+            chunk = chunks[index]
+            for at in range(0, len(chunk), step):
+                if run.stop.is_set():
+                    raise BandwidthInterrupted("not measured: the node got busy")
+                work(chunk[at : at + step])
+                now = time.thread_time()
+                run.add_cpu(now - cpu)
+                cpu = now
             ends[index] = time.perf_counter()
         except BaseException as exc:
-            errors.append(exc)
+            failures.append(exc)
             barrier.abort()
+        finally:
+            run.add_cpu(time.thread_time() - cpu)
 
     threads = [
-        threading.Thread(target=run, args=(i,), name=f"bandwidth-{i}", daemon=True)
+        threading.Thread(target=run_one, args=(i,), name=f"bandwidth-{i}", daemon=True)
         for i in range(len(chunks))
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    if errors:
-        raise errors[0]
+    if run.stop.is_set():
+        raise BandwidthInterrupted("not measured: the node got busy")
+    if failures:
+        raise failures[0]
     return max(ends) - min(starts)
 
 
-def _best_rate(chunks: list[np.ndarray], nbytes: int, passes: int, deadline: float) -> float:
+def _best_rate(
+    chunks: list[np.ndarray], nbytes: int, passes: int, deadline: float, run: Yielding
+) -> float:
     """The best of ``passes`` all-at-once sums, bytes/s; stops early (after
-    one pass at least) once ``deadline`` (``time.perf_counter()``) passed."""
+    one pass at least) once ``deadline`` (``time.perf_counter()``) passed.
+
+    Raises:
+        BandwidthInterrupted: ``run.stop`` was set.
+    """
     best = 0.0
     for done in range(passes):
         if done and time.perf_counter() > deadline:
             break
-        seconds = _in_threads(chunks, np.add.reduce)
+        seconds = _in_threads(chunks, np.add.reduce, run)
         if seconds > 0:
             best = max(best, nbytes / seconds)
     return best
@@ -185,6 +227,7 @@ def measure_bandwidth(
     buffer_bytes: int | None = None,
     seconds: float = 3.0,
     threads: int | None = None,
+    run: Yielding | None = None,
 ) -> Bandwidth:
     """Measure memory read bandwidth: all CPUs at once, then one core.
 
@@ -198,6 +241,9 @@ def measure_bandwidth(
             (~1-2 s per GiB on a VM).
         threads: readers for the all-CPU figure; ``None`` = the CPUs this
             process may run on (``sched_getaffinity``).
+        run: lets another thread stop the measurement (``run.stop``) and
+            see the CPU time it used (``run.cpu_s``); None = a run nobody
+            stops.
 
     Returns:
         :class:`Bandwidth` in GB/s (10^9 bytes/s), the one-core figure
@@ -206,6 +252,7 @@ def measure_bandwidth(
     Raises:
         BandwidthError: too little memory for the minimum buffer, or the
             buffer could not be allocated.
+        BandwidthInterrupted: ``run.stop`` was set before it ended.
         ValueError: ``buffer_bytes`` below 8 MiB or ``seconds`` negative.
     """
     if buffer_bytes is None:
@@ -217,6 +264,7 @@ def measure_bandwidth(
     if seconds < 0:
         raise ValueError(f"seconds must not be negative, not {seconds}")
     readers = max(1, threads if threads is not None else _cpu_count())
+    run = run if run is not None else Yielding()
     items = buffer_bytes // 8
     try:
         buffer = np.empty(items, dtype=np.uint64)
@@ -225,12 +273,12 @@ def measure_bandwidth(
     chunks = np.array_split(buffer, readers)
     # Touch every page with a non-zero value, each reader its own part (an
     # untouched or zeroed buffer may map the shared zero page and read fast).
-    _in_threads(chunks, lambda chunk: chunk.fill(1))
+    _in_threads(chunks, lambda chunk: chunk.fill(1), run)
     nbytes = items * 8
     start = time.perf_counter()
-    machine = _best_rate(chunks, nbytes, _ALL_PASSES, start + seconds / 2)
+    machine = _best_rate(chunks, nbytes, _ALL_PASSES, start + seconds / 2, run)
     core_part = buffer[: min(items, _CORE_BYTES // 8)]
-    core = _best_rate([core_part], core_part.nbytes, _CORE_PASSES, start + seconds)
+    core = _best_rate([core_part], core_part.nbytes, _CORE_PASSES, start + seconds, run)
     del chunks, core_part, buffer
     machine_gbps = machine / 1e9
     return Bandwidth(core_gbps=min(core / 1e9, machine_gbps), machine_gbps=machine_gbps)

@@ -6,12 +6,14 @@
 running; the next agent process on the same state directory adopts them
 (``docs/architecture.md``, Tasks; ``docs/catalog.md``, adoption).
 
-Telemetry: memory bandwidth is measured
-in a worker thread only after the agent reached its control plane, first
-after a random pause (10-120 s by default, so machines that boot together
-do not measure together), then hourly, keeping the best figure; it goes in
-every ``Heartbeat`` and the next ``Register``. GPU readings are taken at
-most every :data:`GPU_READ_INTERVAL_S` and dropped when older than
+Telemetry: memory bandwidth is measured only after the agent reached its
+control plane, first after a random pause (10-120 s by default, so machines
+that boot together do not measure together), then hourly, keeping the best
+figure; it goes in every ``Heartbeat`` and the next ``Register``. Each
+measurement waits for an idle node, runs at the lowest CPU priority and
+gives way when the node gets busy (:mod:`llmgw.agent.background`;
+``docs/up.md``, "Background measurements"). GPU readings are taken at most
+every :data:`GPU_READ_INTERVAL_S` and dropped when older than
 :data:`GPU_READING_MAX_AGE_S`.
 """
 
@@ -31,7 +33,7 @@ import trio
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.registry import get_adapter
 
-from . import discovery, protocol
+from . import background, discovery, protocol
 from .link import AgentHandlers, serve_link
 from .processes import STOP_GRACE_S
 from .state import default_state_dir
@@ -67,6 +69,10 @@ class AgentConfig:
     bandwidth_first_delay_s: the first measurement comes after a random
         pause in this range (seconds) once registered.
     bandwidth_interval_s: seconds between later measurements.
+    bandwidth_busy_cpus: others using more CPUs than this (averaged over
+        half a second) make the node busy: the measurement waits, or gives
+        way; None = a tenth of the node's CPUs, at least 0.25
+        (:func:`~llmgw.agent.background.busy_cpus_threshold`).
     engine_stop_grace_s: seconds an engine gets between SIGTERM and
         SIGKILL when it is stopped (:func:`~llmgw.agent.processes.stop_groups`;
         ``llmgw up`` gives less, its stop being bounded, ``docs/up.md``).
@@ -81,6 +87,7 @@ class AgentConfig:
     measure_bandwidth: bool = True
     bandwidth_first_delay_s: tuple[float, float] = (10.0, 120.0)
     bandwidth_interval_s: float = 3600.0
+    bandwidth_busy_cpus: float | None = None
     engine_stop_grace_s: float = STOP_GRACE_S
 
 
@@ -187,7 +194,7 @@ async def serve_agent(
         await nursery.start(supervisor.serve)
         await nursery.start(serve_link, config.server_url, config.token, handlers)
         if config.measure_bandwidth:
-            nursery.start_soon(_serve_bandwidth, config, telemetry)
+            nursery.start_soon(_serve_bandwidth, config, telemetry, hardware.cpu_count)
         task_status.started(supervisor)
         await trio.sleep_forever()
     raise AssertionError("unreachable")
@@ -234,30 +241,40 @@ async def _gpu_readings(telemetry: _Telemetry, has_gpus: bool) -> tuple[protocol
     return telemetry.gpus
 
 
-def _bandwidth_measurer() -> tuple[Callable[[], Any], type[Exception]] | None:
-    """``(measure_bandwidth, BandwidthError)``, or None when
-    :mod:`llmgw.agent.bandwidth` is not there."""
+def _bandwidth_measurer() -> tuple[Callable[..., Any], type[Exception], type[Exception]] | None:
+    """``(measure_bandwidth, BandwidthError, BandwidthInterrupted)``, or None
+    when :mod:`llmgw.agent.bandwidth` is not there."""
     try:
         from . import bandwidth
     except ImportError as exc:
         log.info("memory bandwidth not measured: %s", exc)
         return None
-    return bandwidth.measure_bandwidth, bandwidth.BandwidthError
+    return bandwidth.measure_bandwidth, bandwidth.BandwidthError, bandwidth.BandwidthInterrupted
 
 
-async def _serve_bandwidth(config: AgentConfig, telemetry: _Telemetry) -> None:
+async def _serve_bandwidth(config: AgentConfig, telemetry: _Telemetry, cpus: int) -> None:
     """Measure memory bandwidth once registered, after a random pause, then
-    every ``bandwidth_interval_s``, keeping the best figures."""
+    every ``bandwidth_interval_s``, keeping the best figures; each time only
+    on an idle node, giving way when it gets busy
+    (:func:`~llmgw.agent.background.run_when_idle`)."""
     found = _bandwidth_measurer()
     if found is None:
         return
-    measure, error = found
+    measure, error, interrupted = found
+    busy_cpus = config.bandwidth_busy_cpus
+    if busy_cpus is None:
+        busy_cpus = background.busy_cpus_threshold(cpus)
     await telemetry.registered.wait()
     low, high = config.bandwidth_first_delay_s
     await trio.sleep(random.uniform(low, high))
     while True:
         try:
-            result = await trio.to_thread.run_sync(measure, abandon_on_cancel=True)
+            result = await background.run_when_idle(
+                "memory bandwidth measurement",
+                lambda run: measure(run=run),
+                busy_cpus=busy_cpus,
+                interrupted=interrupted,
+            )
         except (error, MemoryError, OSError) as exc:
             log.info("memory bandwidth not measured: %s; trying again later", exc)
         else:

@@ -216,6 +216,15 @@ def _parser() -> argparse.ArgumentParser:
     add("--chat-template", default="", metavar="NAME")
     add("--jinja", dest="jinja", action="store_true", default=None)
     add("--no-jinja", dest="jinja", action="store_false")
+    add(
+        "-r",
+        "--reverse-prompt",
+        dest="reverse_prompts",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop the answer at TEXT when a request gives no stop of its own (repeatable)",
+    )
     add("-cram", "--cache-ram", type=_int32, default=None, metavar="MIB")
     add("--embedding", "--embeddings", dest="embedding", action="store_true")
     add(
@@ -280,6 +289,8 @@ def common_params(ns: argparse.Namespace, api_key: str) -> Any:
         params.chat_template = ns.chat_template
     if ns.jinja is not None:
         params.use_jinja = ns.jinja
+    if ns.reverse_prompts:
+        params.antiprompt = list(ns.reverse_prompts)
     if ns.cache_ram is not None:
         params.cache_ram_mib = ns.cache_ram
     if ns.embedding:
