@@ -306,6 +306,40 @@ def test_a_first_start_prints_the_client_key_and_where_the_admin_token_is_and_a_
     assert f"admin token: in {second.data_dir / 'admin-token'}" in second.log()
 
 
+def test_an_older_data_dir_s_admin_key_becomes_the_client_key_and_loses_the_admin_api(
+    start_up: Any,
+) -> None:
+    """A data directory as an older llmgw left it: one sk-llmgw- admin key in
+    admin-key, no admin token. The next start keeps that key for /v1 only."""
+    first = start_up("--engine", "sim", "--model-name", MODEL)
+    first.wait_ready()
+    old_key = first.client_key
+    first.stop()
+    data = first.data_dir
+    (data / "client-key").rename(data / "admin-key")
+    (data / "admin-token").unlink()
+    with sqlite3.connect(data / "llmgw.db") as db:
+        db.execute("UPDATE keys SET is_admin = 1")
+    second = start_up("--engine", "sim", "--model-name", MODEL)
+    second.wait_ready()
+    assert not (data / "admin-key").exists()
+    assert second.client_key == old_key
+    assert f"{data / 'admin-key'} held the admin key of an older llmgw" in second.log()
+    assert old_key not in second.log()
+    answer = second.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    )
+    assert answer.status_code == 200, answer.text
+    admin = f"http://{second.run['admin']}/api/v1/keys"
+    refused = httpx.get(admin, headers={"authorization": f"Bearer {old_key}"}, timeout=10)
+    assert refused.status_code == 401
+    listed = second.cli("keys", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    [key] = json.loads(listed.stdout)["data"]
+    assert not key["is_admin"]
+
+
 def test_the_admin_api_takes_only_the_admin_token_and_a_rotation_refuses_the_old_one_at_once(
     start_up: Any,
 ) -> None:
