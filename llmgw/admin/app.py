@@ -1,11 +1,11 @@
 """The admin API (quart-trio), on ``127.0.0.1:9090`` by default: one app
-with the routes of each resource, one admin key check and one error shape.
+with the routes of each resource, one admin token check and one error shape.
 
-Every route needs an admin key (``Authorization: Bearer sk-llmgw-…`` of a
-key made with ``is_admin``, such as the one ``llmgw up`` writes to
-``DATA_DIR/admin-key``): 401 ``invalid_api_key`` without a valid one, 403
-``forbidden`` for a key that is not an admin key. Every route is JSON in and
-out (but the usage export). Errors are ``{"error": {"message", "type",
+Every route needs the admin token (``Authorization: Bearer llmgw-admin-…``,
+the one in ``DATA_DIR/admin-token``: :mod:`llmgw.auth.admin_token`), compared
+in constant time: 401 ``invalid_api_key`` without it, with a message that
+says so when a client key (``sk-llmgw-…``) was sent instead. Every route is
+JSON in and out (but the usage export). Errors are ``{"error": {"message", "type",
 "code", "param"}}`` (:mod:`llmgw.admin.errors`).
 
 The routes, by resource:
@@ -29,13 +29,14 @@ from pathlib import Path
 from quart import g, request
 from quart_trio import QuartTrio
 
-from llmgw.auth.keys import KeyAuthenticator, KeyRefused
+from llmgw.auth.admin_token import AdminTokenFile, fingerprint
+from llmgw.auth.keys import KEY_PREFIX, KeyRefused
 from llmgw.control.cluster import Cluster
 from llmgw.control.live import LiveSettings
 from llmgw.store import Store
 
 from .config import add_config_routes
-from .errors import NotAdmin, install
+from .errors import install
 from .keys import KeysService, add_key_routes
 from .models import add_model_routes
 from .nodes import add_node_routes
@@ -48,7 +49,7 @@ __all__ = ["make_admin_app"]
 def make_admin_app(
     store: Store,
     cluster: Cluster,
-    authenticator: KeyAuthenticator,
+    admin_token: AdminTokenFile,
     keys_service: KeysService,
     *,
     live: LiveSettings | None = None,
@@ -57,7 +58,7 @@ def make_admin_app(
     """The admin API application over ``store`` and ``cluster``.
 
     Args:
-        authenticator: checks the admin key of each call.
+        admin_token: the admin token each call must present.
         keys_service: what the key, tree and limits routes do.
         live: the live settings state the control plane's settings loop
             keeps (:func:`llmgw.control.live.serve_settings`); a fresh one
@@ -74,13 +75,17 @@ def make_admin_app(
         header = request.headers.get("authorization", "")
         scheme, _, secret = header.partition(" ")
         if scheme.lower() != "bearer" or not secret:
-            raise KeyRefused("The admin API needs 'Authorization: Bearer <admin key>'.")
-        key = await authenticator.authenticate(secret.strip())
-        if key is None:
-            raise KeyRefused("Incorrect API key provided.")
-        if not key.is_admin:
-            raise NotAdmin("This key is not an admin key.")
-        g.admin_actor = f"{key.name} ({key.id})"
+            raise KeyRefused("The admin API needs 'Authorization: Bearer <admin token>'.")
+        secret = secret.strip()
+        if secret.startswith(KEY_PREFIX):
+            raise KeyRefused(
+                "This is a client key (sk-llmgw-…): it calls /v1 only. The admin API "
+                "takes the admin token in DATA_DIR/admin-token (llmgw-admin-…), which "
+                "'llmgw keys' and 'llmgw ctl' read."
+            )
+        if not admin_token.check(secret):
+            raise KeyRefused("Incorrect admin token provided.")
+        g.admin_actor = f"admin token ({fingerprint(secret)})"
 
     add_key_routes(app, keys_service)
     add_usage_routes(app, store, keys_service)

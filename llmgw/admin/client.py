@@ -3,7 +3,8 @@ commands such as ``llmgw ctl …`` and ``llmgw keys …``.
 
 Errors it raises are in :mod:`llmgw.errors`:
 
-- :class:`AdminKeyMissing` (``NotFound``): no admin key in the data directory;
+- :class:`~llmgw.auth.admin_token.AdminTokenMissing` (``NotFound``): no
+  admin token in the data directory;
 - :class:`AdminUnreachable` (``UpstreamError``): no answer, or an answer
   that is not JSON;
 - :class:`AdminRefused` (``Refused``): the API answered an error; it
@@ -19,12 +20,12 @@ from typing import IO, Any, Final
 import httpx
 
 from llmgw import errors
+from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, read_admin_token
 
 __all__ = [
     "ADMIN_TIMEOUT_S",
     "DEFAULT_ADMIN",
     "AdminClient",
-    "AdminKeyMissing",
     "AdminRefused",
     "AdminUnreachable",
 ]
@@ -33,10 +34,6 @@ __all__ = [
 ADMIN_TIMEOUT_S: Final = 30.0
 #: The admin API's address when the data directory's ``run.json`` names none.
 DEFAULT_ADMIN: Final = "127.0.0.1:9090"
-
-
-class AdminKeyMissing(errors.NotFound):
-    """The data directory holds no ``admin-key``."""
 
 
 class AdminUnreachable(errors.UpstreamError):
@@ -73,7 +70,7 @@ class AdminRefused(errors.Refused):
 
 
 class AdminClient:
-    """Calls to the admin API at ``base_url`` with the admin key ``key``.
+    """Calls to the admin API at ``base_url`` with the admin token ``key``.
 
     Each call opens its own connection and is bounded by
     :data:`ADMIN_TIMEOUT_S`.
@@ -86,19 +83,13 @@ class AdminClient:
     @classmethod
     def from_data_dir(cls, data_dir: Path) -> AdminClient:
         """The client of the llmgw whose data directory is ``data_dir``: its
-        ``admin-key``, and the admin address in its ``run.json`` (written by
+        ``admin-token``, and the admin address in its ``run.json`` (written by
         ``llmgw up``; :data:`DEFAULT_ADMIN` when absent).
 
         Raises:
-            AdminKeyMissing: no ``admin-key`` file.
+            AdminTokenMissing: no ``admin-token`` file, or no token in it.
         """
-        key_path = data_dir / "admin-key"
-        try:
-            key = key_path.read_text().strip()
-        except FileNotFoundError:
-            raise AdminKeyMissing(
-                f"no admin key at {key_path}: run 'llmgw up' first, or pass --data-dir"
-            ) from None
+        key = read_admin_token(data_dir / ADMIN_TOKEN_FILE)
         admin = DEFAULT_ADMIN
         try:
             admin = json.loads((data_dir / "run.json").read_text())["admin"]

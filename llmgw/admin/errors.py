@@ -47,7 +47,6 @@ __all__ = [
     "BadRequest",
     "Clash",
     "NoSuch",
-    "NotAdmin",
     "answer_for",
     "error_response",
     "install",
@@ -88,20 +87,13 @@ class NoSuch(errors.NotFound):
 
 class Clash(errors.Refused):
     """The change clashes with what is there (409): a name taken, a key
-    already revoked, the last admin key."""
+    already revoked."""
 
     status = 409
 
     def __init__(self, message: str, *, code: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class NotAdmin(errors.Refused):
-    """A valid key that is not an admin key (403)."""
-
-    status = 403
-    code = "forbidden"
 
 
 def answer_for(exc: errors.LlmgwError) -> tuple[int, dict[str, str | None]]:

@@ -15,7 +15,7 @@ __all__ = ["actor", "count", "json_object", "optional_int", "query_flag", "query
 
 
 def actor() -> str:
-    """Who is calling: the admin key's name and id (set by the key check)."""
+    """Who is calling: ``admin token (FINGERPRINT)`` (set by the token check)."""
     return str(getattr(g, "admin_actor", "") or "admin")
 
 

@@ -6,8 +6,8 @@ created (and the answer says which levels were made); ``auth.max_key_ttl``
 caps a key's life and is the expiry of keys made without one; a level's
 limits only narrow what is above it (the accountant enforces that along the
 path); ``keys init`` is idempotent and never re-parents a team or project;
-revoking a key clears its limiter counters, and the last live admin key
-cannot be revoked.
+revoking a key clears its limiter counters. (The admin API itself is opened
+by the admin token, never by a key: :mod:`llmgw.auth.admin_token`.)
 
 Money: budgets are given in currency units (``25`` or ``"25.50"``) and kept
 in integer micro-units (``25_000_000``), the unit of prices.
@@ -22,7 +22,7 @@ except where said):
 - ``POST /api/v1/keys/<id>/rotate`` → the key with a new ``"key"``; 409
   ``key_revoked`` for a revoked or expired key;
 - ``POST /api/v1/keys/<id>/revoke`` → ``{"id", "revoked": true}``; 409
-  ``already_revoked`` or ``last_admin_key``;
+  ``already_revoked``;
 - ``POST /api/v1/tree`` (:meth:`KeysService.init_tree`) → ``{"created",
   "keys"}``; ``GET /api/v1/tree`` → ``{"data": [{"path", "project_id",
   "limits": {"org", "team", "project"}}]}``;
@@ -420,24 +420,14 @@ class KeysService:
         limiter counters go.
 
         Raises:
-            NotFound: no such key. Refused (409): the key is already revoked
-                (``already_revoked``), or it is the only live admin key
-                (``last_admin_key``: revoking it would lock the admin API).
+            NotFound: no such key. Refused (409 ``already_revoked``): the key
+                is already revoked.
         """
         key = await self._store.get_key(key_id)
         if key is None:
             raise NoSuch(f"No key {key_id!r}.")
         if key.revoked_at is not None:
             raise Clash(f"Key {key_id!r} is already revoked.", code="already_revoked")
-        if key.is_admin:
-            live_admins = [
-                k for k in await self._store.list_keys() if k.is_admin and k.revoked_at is None
-            ]
-            if len(live_admins) <= 1:
-                raise Clash(
-                    "This is the only live admin key; revoking it would lock the admin API.",
-                    code="last_admin_key",
-                )
         await self._store.revoke_key(key_id, time.time())
         self._auth.forget(key_id)
         self._resolver.forget()

@@ -26,6 +26,7 @@ from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.admin.app import make_admin_app
 from llmgw.admin.keys import KeysService
+from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, AdminTokenFile
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster
@@ -64,7 +65,8 @@ class ServerConfig:
     grace_s: float = GRACE_S
     #: The seed of the live settings (``server.yaml``); the store's document wins.
     settings: ServerSettings = attrs.field(factory=ServerSettings)
-    #: Where weights and the usage journal live; ``None`` = the SQLite store's folder.
+    #: Where weights, the usage journal and the admin token (``admin-token``)
+    #: live; ``None`` = the SQLite store's folder.
     data_dir: Path | None = None
 
 
@@ -151,9 +153,10 @@ async def serve_control_plane(
     )
     keys_service = KeysService(store, authenticator, resolver, auth, accountant)
     live = LiveSettings(store, cluster)
-    admin = make_admin_app(
-        store, cluster, authenticator, keys_service, live=live, data_dir=data_dir
-    )
+    # The admin API opens to the token in DATA_DIR/admin-token only (no data
+    # directory: to nothing).
+    admin_token = AdminTokenFile(data_dir / ADMIN_TOKEN_FILE if data_dir is not None else None)
+    admin = make_admin_app(store, cluster, admin_token, keys_service, live=live, data_dir=data_dir)
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
     holder = lease_holder()
 

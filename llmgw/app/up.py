@@ -5,8 +5,13 @@ loopback, so this path runs the same code as a cluster. What it does, saying
 so as it goes:
 
 1. opens (creates, migrates) the SQLite store at ``DATA_DIR/llmgw.db``;
-2. on first start makes an admin key, prints it once and writes it to
-   ``DATA_DIR/admin-key`` (mode 0600);
+2. on first start writes the admin token to ``DATA_DIR/admin-token`` (mode
+   0600; it opens the admin API only and is not printed), makes a client key
+   for ``/v1``, prints it once and writes it to ``DATA_DIR/client-key`` (mode
+   0600), and gives every model without a price of its own
+   :data:`~llmgw.app.up_prices.FIRST_START_PRICE` unless ``server.yaml`` names
+   ``auth.default_price``; an older llmgw's ``admin-key`` becomes the client
+   key (:func:`~llmgw.app.up_files.migrate_admin_key`);
 3. checks the model: the starter GGUF assembled into ``DATA_DIR/weights``
    and checked against its published sha256, or the ``--model`` file;
 4. starts the control plane and writes the agent token to
@@ -51,14 +56,16 @@ from llmgw.store import ModelRecord, open_store
 
 from .control_plane import Addresses, ServerConfig, serve_control_plane
 from .up_files import (
-    ADMIN_KEY_FILE,
     RUN_FILE,
-    ensure_admin_key,
+    ensure_admin_token,
+    ensure_client_key,
+    migrate_admin_key,
     remove_run_file,
     write_agent_token,
     write_run_file,
 )
 from .up_models import Say, model_records, set_catalog
+from .up_prices import first_start_prices, names_default_price
 
 __all__ = ["UpError", "UpOptions", "run_up"]
 
@@ -128,14 +135,16 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
     settings = load_settings(config_path)
     if config_path is not None:
         say(f"settings from {config_path}")
+    price_given = names_default_price(config_path)
     with _DataDirLock(data_dir):
         models = await model_records(options, data_dir, say)
-        await _run_locked(options, settings, data_dir, models, started, say)
+        await _run_locked(options, settings, price_given, data_dir, models, started, say)
 
 
 async def _run_locked(
     options: UpOptions,
     settings: ServerSettings,
+    price_given: bool,
     data_dir: Path,
     models: list[ModelRecord],
     started: float,
@@ -147,6 +156,7 @@ async def _run_locked(
         db_path = data_dir / "llmgw.db"
         async with open_store(str(db_path)) as store:
             say(f"store ready: {db_path}")
+            settings = await first_start_prices(store, settings, price_given=price_given, say=say)
             cluster = Cluster()
             config = ServerConfig(
                 listen=options.listen,
@@ -175,7 +185,11 @@ async def _run_locked(
             async with trio.open_nursery() as cp:
                 # Listen first: a start that cannot bind its ports changes nothing.
                 addresses: Addresses = await cp.start(control_plane)
-                await ensure_admin_key(store, data_dir, say)
+                ensure_admin_token(data_dir, say)
+                await migrate_admin_key(store, data_dir, say)
+                client_key = await ensure_client_key(
+                    store, data_dir, settings.auth.max_key_ttl, say
+                )
                 await set_catalog(store, models, say)
                 cluster.poke()
                 write_run_file(data_dir, addresses)
@@ -210,7 +224,7 @@ async def _run_locked(
                             cluster,
                             models[0].name,
                             addresses,
-                            data_dir / ADMIN_KEY_FILE,
+                            client_key,
                             started,
                             say,
                         )

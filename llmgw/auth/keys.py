@@ -3,7 +3,9 @@
 :func:`new_key` makes a secret and its record; :class:`KeyAuthenticator`
 checks a presented secret against the store with a short in-memory cache
 (``auth.cache_ttl``). A key revoked through this control plane is dropped
-from the cache at once.
+from the cache at once. The admin token (``llmgw-admin-…``,
+:mod:`llmgw.auth.admin_token`) is never a client key: it is refused with a
+message saying so.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import attrs
 
 from llmgw import errors
 from llmgw.store import KeyRecord, Store, StoreError
+
+from .admin_token import ADMIN_TOKEN_PREFIX
 
 __all__ = ["KEY_PREFIX", "KeyAuthenticator", "KeyRefused", "hash_key", "new_key"]
 
@@ -83,9 +87,16 @@ class KeyAuthenticator:
         """The live key for ``secret``.
 
         Raises:
-            KeyRefused: unknown, revoked or expired, with a message saying which.
+            KeyRefused: unknown, revoked or expired, or the admin token, with a
+                message saying which.
             StoreError: the store failed and the key was never seen before.
         """
+        if secret.startswith(ADMIN_TOKEN_PREFIX):
+            raise KeyRefused(
+                "This is the llmgw admin token: it opens the admin API only. Call /v1 "
+                "with a client key (sk-llmgw-…): the one in DATA_DIR/client-key, or one "
+                "made with 'llmgw keys create'."
+            )
         record = await self._lookup(secret)
         if record is None:
             raise KeyRefused("Incorrect API key provided.")

@@ -1,5 +1,7 @@
 """``llmgw keys …``: client API keys, the tenancy tree, limits and the answer
-cache per project, through the admin API (:mod:`llmgw.admin.keys`)."""
+cache per project, through the admin API (:mod:`llmgw.admin.keys`); and
+``keys rotate-admin``, which replaces the admin token in the data directory
+itself (:mod:`llmgw.auth.admin_token`), so it works with llmgw stopped too."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from urllib.parse import quote
 import click
 
 from llmgw.admin.client import AdminClient
+from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, fingerprint, rotate_admin_token
 
 from .options import data_dir_option, json_option, path_part, print_json
 
@@ -18,7 +21,7 @@ __all__ = ["keys"]
 
 @click.group()
 def keys() -> None:
-    """Client API keys."""
+    """Client API keys (and `rotate-admin`: a new admin token)."""
 
 
 @keys.command("create")
@@ -80,6 +83,26 @@ def keys_rotate(key_id: str, data_dir: Path, as_json: bool) -> None:
         print_json(doc)
         return
     click.echo(doc["key"])
+
+
+@keys.command("rotate-admin")
+@data_dir_option()
+@json_option()
+def keys_rotate_admin(data_dir: Path, as_json: bool) -> None:
+    """Replace the admin token (DATA_DIR/admin-token, mode 0600) with a new one.
+
+    The admin API refuses the old token from its next call; `llmgw keys` and
+    `llmgw ctl` read the new one from the file. The token is not printed.
+    """
+    path = data_dir / ADMIN_TOKEN_FILE
+    token = rotate_admin_token(path)
+    if as_json:
+        print_json({"path": str(path), "fingerprint": fingerprint(token)})
+        return
+    click.echo(
+        f"admin token rotated: the new one ({fingerprint(token)}) is in {path}; "
+        "the old one is refused from now on"
+    )
 
 
 @keys.command("init")

@@ -6,7 +6,7 @@ registered.
   launchers the agent starts (:mod:`.engine`);
 - ``llmgw keys …`` (:mod:`.keys`), ``llmgw ctl …`` (:mod:`.ctl`) and
   ``llmgw stop|start|status`` (:mod:`.serving`) are clients of the admin API
-  (address and admin key found in the data directory); each takes
+  (address and admin token found in the data directory); each takes
   ``--json``;
 - ``llmgw bench …`` when the benchmarks are installed (:mod:`.bench`).
 

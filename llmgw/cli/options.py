@@ -24,7 +24,7 @@ __all__ = [
     "utc_time",
 ]
 
-#: Where the store, weights and admin key live unless ``--data-dir`` or
+#: Where the store, weights and admin token live unless ``--data-dir`` or
 #: ``$LLMGW_DATA_DIR`` says otherwise.
 DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "llmgw"
 
@@ -38,7 +38,7 @@ def data_dir_option() -> Callable[[F], F]:
         type=click.Path(file_okay=False, path_type=Path),
         default=lambda: Path(os.environ.get("LLMGW_DATA_DIR", str(DEFAULT_DATA_DIR))),
         show_default="$LLMGW_DATA_DIR or ~/.local/share/llmgw",
-        help="Where the store, weights and admin key live.",
+        help="Where the store, weights and admin token live.",
     )
 
 

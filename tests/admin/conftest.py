@@ -1,5 +1,5 @@
 """The admin app under quart's test client, over a real SQLite store and an
-in-memory cluster, called with an admin key."""
+in-memory cluster, called with the admin token."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from quart_trio import QuartTrio
 
 from llmgw.admin.app import make_admin_app
 from llmgw.admin.keys import KeysService
-from llmgw.auth.keys import KeyAuthenticator, new_key
+from llmgw.auth.admin_token import (
+    ADMIN_TOKEN_FILE,
+    AdminTokenFile,
+    new_admin_token,
+    write_admin_token,
+)
+from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster
 from llmgw.control.live import LiveSettings
@@ -23,12 +29,11 @@ from llmgw.store import Store, open_sqlite_store
 
 @attrs.define
 class Admin:
-    """The app's test client with the admin key, and what is behind it."""
+    """The app's test client with the admin token, and what is behind it."""
 
     app: QuartTrio
     client: Any
     secret: str
-    key_id: str
     store: Store
     cluster: Cluster
     live: LiveSettings
@@ -52,10 +57,11 @@ async def admin(tmp_path: Path) -> AsyncIterator[Admin]:
         cluster.set_secret(b"s" * 32)
         authenticator = KeyAuthenticator(store)
         keys = KeysService(store, authenticator, ScopeResolver(store), AuthSettings())
-        secret, record = new_key("ops", is_admin=True)
-        await store.insert_key(record)
+        secret = new_admin_token()
+        write_admin_token(tmp_path / ADMIN_TOKEN_FILE, secret)
         live = LiveSettings(store, cluster)
         await live.seed(ServerSettings())
         await live.refresh()
-        app = make_admin_app(store, cluster, authenticator, keys, live=live, data_dir=tmp_path)
-        yield Admin(app, app.test_client(), secret, record.id, store, cluster, live, tmp_path)
+        token = AdminTokenFile(tmp_path / ADMIN_TOKEN_FILE)
+        app = make_admin_app(store, cluster, token, keys, live=live, data_dir=tmp_path)
+        yield Admin(app, app.test_client(), secret, store, cluster, live, tmp_path)

@@ -10,19 +10,21 @@ import httpx
 import pytest
 
 from llmgw import errors
-from llmgw.admin.client import AdminClient, AdminKeyMissing, AdminRefused, AdminUnreachable
+from llmgw.admin.client import AdminClient, AdminRefused, AdminUnreachable
+from llmgw.auth.admin_token import AdminTokenMissing
 
 
-def test_the_client_reads_the_key_and_the_address_from_the_data_dir(tmp_path: Path) -> None:
-    (tmp_path / "admin-key").write_text("sk-llmgw-abc\n")
+def test_the_client_reads_the_token_and_the_address_from_the_data_dir(tmp_path: Path) -> None:
+    token = "llmgw-admin-abcdefghijklmnopqrstuvwxyz"
+    (tmp_path / "admin-token").write_text(token + "\n")
     client = AdminClient.from_data_dir(tmp_path)
-    assert (client.base_url, client.key) == ("http://127.0.0.1:9090", "sk-llmgw-abc")
+    assert (client.base_url, client.key) == ("http://127.0.0.1:9090", token)
     (tmp_path / "run.json").write_text(json.dumps({"admin": "127.0.0.1:19090"}))
     assert AdminClient.from_data_dir(tmp_path).base_url == "http://127.0.0.1:19090"
 
 
-def test_no_admin_key_is_not_found(tmp_path: Path) -> None:
-    with pytest.raises(AdminKeyMissing, match="run 'llmgw up' first") as caught:
+def test_no_admin_token_is_not_found(tmp_path: Path) -> None:
+    with pytest.raises(AdminTokenMissing, match="run 'llmgw up' first") as caught:
         AdminClient.from_data_dir(tmp_path)
     assert isinstance(caught.value, errors.NotFound)
 

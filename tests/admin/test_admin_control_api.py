@@ -10,6 +10,7 @@ import pytest
 
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
+from llmgw.auth.admin_token import fingerprint
 from llmgw.auth.keys import new_key
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo, engine_key
 from llmgw.control.model_ops import change_context, purge_weights
@@ -63,14 +64,14 @@ def add_shard(
 # --- the key check ---------------------------------------------------------------------
 
 
-async def test_the_cluster_routes_need_an_admin_key(admin: Admin) -> None:
+async def test_the_cluster_routes_need_the_admin_token(admin: Admin) -> None:
     status, body = await admin.call("GET", "/api/v1/config", key="")
     assert status == 401
     assert body["error"]["code"] == "invalid_api_key"
-    secret, record = new_key("not admin")
+    secret, record = new_key("a client")
     await admin.store.insert_key(record)
     status, body = await admin.call("POST", "/api/v1/system/stop", key=secret)
-    assert status == 403
+    assert (status, body["error"]["code"]) == (401, "invalid_api_key")
     assert not admin.cluster.settings.serving.stopped
 
 
@@ -102,7 +103,7 @@ async def test_patch_sets_one_key_live_at_once_and_the_history_says_who(admin: A
     assert status == 200
     newest, seed = body["data"]
     assert newest["version"] == 2
-    assert newest["actor"] == f"ops ({admin.key_id})"
+    assert newest["actor"] == f"admin token ({fingerprint(admin.secret)})"
     assert newest["changed"] == ["router.admission.bands"]
     assert newest["note"] == "set router.admission.bands"
     assert seed["actor"] == "server.yaml"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from llmgw import errors
-from llmgw.admin.errors import BadRequest, Clash, NoSuch, NotAdmin, answer_for
+from llmgw.admin.errors import BadRequest, Clash, NoSuch, answer_for
 from llmgw.auth.keys import KeyRefused
 from llmgw.control.catalog import CatalogError
 from llmgw.control.model_ops import ModelChangeError
@@ -51,7 +51,6 @@ def _server_error(message: str, code: str | None = None) -> dict[str, Any]:
         (Clash("A model 'm' is already in the catalog.", code="model_exists"), 409, _error("A model 'm' is already in the catalog.", "model_exists")),
         (errors.Refused("not allowed"), 403, _error("not allowed", "refused")),
         (KeyRefused("Incorrect API key provided."), 401, _error("Incorrect API key provided.", "invalid_api_key")),
-        (NotAdmin("This key is not an admin key."), 403, _error("This key is not an admin key.", "forbidden")),
         (
             errors.StoreError("database is locked"),
             503,
@@ -68,7 +67,7 @@ def test_each_error_of_the_tree_has_its_status_code_and_param(
 
 
 async def _raw(admin: Admin, method: str, path: str, key: str | None = None) -> tuple[int, Any]:
-    """The status and whole body of a call (with the admin key, unless ``key``)."""
+    """The status and whole body of a call (with the admin token, unless ``key``)."""
     secret = admin.secret if key is None else key
     response = await admin.client.open(
         path, method=method, headers={"authorization": f"Bearer {secret}"}
@@ -90,11 +89,11 @@ async def test_an_error_a_route_raises_is_answered_in_the_one_shape(admin: Admin
 async def test_the_key_check_answers_in_the_one_shape(admin: Admin) -> None:
     assert await _raw(admin, "GET", "/api/v1/keys", key="") == (
         401,
-        {"error": _error("The admin API needs 'Authorization: Bearer <admin key>'.", "invalid_api_key")},
+        {"error": _error("The admin API needs 'Authorization: Bearer <admin token>'.", "invalid_api_key")},
     )  # fmt: skip
-    assert await _raw(admin, "GET", "/api/v1/keys", key="sk-llmgw-nope") == (
+    assert await _raw(admin, "GET", "/api/v1/keys", key="llmgw-admin-nope") == (
         401,
-        {"error": _error("Incorrect API key provided.", "invalid_api_key")},
+        {"error": _error("Incorrect admin token provided.", "invalid_api_key")},
     )
 
 

@@ -91,8 +91,8 @@ class Up:
         return f"http://{self.run['admin']}"
 
     @property
-    def admin_key(self) -> str:
-        return (self.data_dir / "admin-key").read_text().strip()
+    def admin_token(self) -> str:
+        return (self.data_dir / "admin-token").read_text().strip()
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -129,7 +129,7 @@ class Up:
             method,
             f"{self.admin}{path}",
             json=body,
-            headers={"authorization": f"Bearer {self.admin_key}"},
+            headers={"authorization": f"Bearer {self.admin_token}"},
             timeout=30,
         )
         response.raise_for_status()

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import click
 import gguf
+import httpx
 import numpy as np
 import pytest
 import trio
@@ -23,7 +24,13 @@ from llmgw.admin.keys import KeysService
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
 from llmgw.app.listen import serve_asgi
-from llmgw.auth.keys import KeyAuthenticator, new_key
+from llmgw.auth.admin_token import (
+    ADMIN_TOKEN_FILE,
+    AdminTokenFile,
+    new_admin_token,
+    write_admin_token,
+)
+from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.cli.config import lookup_key
 from llmgw.cli.main import cli
@@ -66,13 +73,12 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
         cluster = Cluster()
         authenticator = KeyAuthenticator(store)
         keys = KeysService(store, authenticator, ScopeResolver(store), AuthSettings())
-        secret, record = new_key("ops", is_admin=True)
-        await store.insert_key(record)
-        (data_dir / "admin-key").write_text(secret + "\n")
+        write_admin_token(data_dir / ADMIN_TOKEN_FILE, new_admin_token())
+        token = AdminTokenFile(data_dir / ADMIN_TOKEN_FILE)
         live = LiveSettings(store, cluster)
         await live.seed(ServerSettings())
         await live.refresh()
-        app = make_admin_app(store, cluster, authenticator, keys, live=live, data_dir=data_dir)
+        app = make_admin_app(store, cluster, token, keys, live=live, data_dir=data_dir)
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             address = await nursery.start(serve_asgi, app, "127.0.0.1:0", stop, 1.0)
@@ -162,7 +168,7 @@ async def test_config_set_then_get(running: Running) -> None:
     lines = history.splitlines()
     assert lines[0].split() == ["VERSION", "WHEN", "(UTC)", "WHO", "CHANGED", "NOTE"]
     assert "router.admission.bands" in lines[1]
-    assert "ops (key_" in lines[1]
+    assert "admin token (" in lines[1]
     assert "server.yaml" in lines[3]
 
 
@@ -371,3 +377,36 @@ async def test_model_plan_uses_the_clusters_nodes(running: Running, tmp_path: Pa
     assert doc["best"] is not None
     text = await running.ok("ctl", "model", "plan", str(model))
     assert "h100-80g" in text or "n1" in text
+
+
+async def test_keys_rotate_admin_refuses_the_old_token_at_once(running: Running) -> None:
+    path = running.data_dir / ADMIN_TOKEN_FILE
+    old = path.read_text().strip()
+    done = await running.ok("keys", "rotate-admin")
+    new = path.read_text().strip()
+    assert new != old
+    assert new.startswith("llmgw-admin-")
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert new not in done
+    assert str(path) in done
+    address = json.loads((running.data_dir / "run.json").read_text())["admin"]
+
+    def status_with(token: str) -> int:
+        answer = httpx.get(
+            f"http://{address}/api/v1/keys", headers={"authorization": f"Bearer {token}"}
+        )
+        return answer.status_code
+
+    assert await trio.to_thread.run_sync(status_with, old) == 401
+    assert await trio.to_thread.run_sync(status_with, new) == 200
+    assert await running.json("keys", "list") == {"data": []}  # the CLI reads the new file
+
+
+async def test_keys_rotate_admin_in_a_folder_without_a_token_makes_nothing(tmp_path: Path) -> None:
+    result = await trio.to_thread.run_sync(
+        partial(CliRunner().invoke, cli, ["keys", "rotate-admin", "--data-dir", str(tmp_path)])
+    )
+    assert result.exit_code == 1
+    assert "no admin token at" in result.stderr
+    assert "'llmgw up' makes one" in result.stderr
+    assert await trio.to_thread.run_sync(lambda: list(tmp_path.iterdir())) == []

@@ -67,11 +67,11 @@ def test_first_leaf_finds_the_error_inside_nested_groups() -> None:
     assert first_leaf(group) is inner
 
 
-def test_a_client_command_without_an_admin_key_says_where_it_looked(tmp_path: Path) -> None:
+def test_a_client_command_without_an_admin_token_says_where_it_looked(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["ctl", "models", "--data-dir", str(tmp_path)])
     assert result.exit_code == 1
     assert result.stderr == (
-        f"Error: no admin key at {tmp_path / 'admin-key'}: run 'llmgw up' first, "
+        f"Error: no admin token at {tmp_path / 'admin-token'}: run 'llmgw up' first, "
         "or pass --data-dir\n"
     )
 
@@ -82,7 +82,7 @@ def test_a_client_command_with_nothing_listening_asks_whether_llmgw_runs(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{sock.getsockname()[1]}"
-    (tmp_path / "admin-key").write_text("sk-llmgw-x\n")
+    (tmp_path / "admin-token").write_text("llmgw-admin-abcdefghijklmnopqrstuvwxyz\n")
     (tmp_path / "run.json").write_text(json.dumps({"admin": address}))
     result = CliRunner().invoke(cli, ["status", "--data-dir", str(tmp_path)])
     assert result.exit_code == 1

@@ -234,8 +234,14 @@ class Up:
         return f"http://{self.run['api']}"
 
     @property
-    def admin_key(self) -> str:
-        return (self.data_dir / "admin-key").read_text().strip()
+    def admin_token(self) -> str:
+        """The admin token (``DATA_DIR/admin-token``): the admin API only."""
+        return (self.data_dir / "admin-token").read_text().strip()
+
+    @property
+    def client_key(self) -> str:
+        """The client key ``llmgw up`` made (``DATA_DIR/client-key``): ``/v1``."""
+        return (self.data_dir / "client-key").read_text().strip()
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -297,10 +303,10 @@ class Up:
         http: httpx.Client | None = None,
         timeout: float = 30.0,
     ) -> httpx.Response:
-        """``POST`` to the gateway (``path`` from ``/v1``) with the admin key,
+        """``POST`` to the gateway (``path`` from ``/v1``) with the client key,
         through ``http`` if given (its timeout then)."""
         url = f"{self.base_url}{path}"
-        sent = {"authorization": f"Bearer {self.admin_key}", **(headers or {})}
+        sent = {"authorization": f"Bearer {self.client_key}", **(headers or {})}
         if http is not None:
             return http.post(url, json=body, headers=sent)
         return httpx.post(url, json=body, headers=sent, timeout=timeout)
@@ -308,10 +314,10 @@ class Up:
     def openai_client(
         self, timeout: float | None = None, *, api_key: str | None = None
     ) -> openai.OpenAI:
-        """The official OpenAI client on the gateway, with no retries, the admin
+        """The official OpenAI client on the gateway, with no retries, the client
         key unless ``api_key`` is given, and the client's default timeout
         unless ``timeout`` is."""
-        key = self.admin_key if api_key is None else api_key
+        key = self.client_key if api_key is None else api_key
         if timeout is None:
             return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=key, max_retries=0)
         return openai.OpenAI(
@@ -319,9 +325,9 @@ class Up:
         )
 
     def anthropic_client(self, timeout: float) -> anthropic.Anthropic:
-        """The official Anthropic client on the gateway, with the admin key and no retries."""
+        """The official Anthropic client on the gateway, with the client key and no retries."""
         return anthropic.Anthropic(
-            base_url=self.base_url, api_key=self.admin_key, max_retries=0, timeout=timeout
+            base_url=self.base_url, api_key=self.client_key, max_retries=0, timeout=timeout
         )
 
     def stop(self) -> None:
@@ -363,12 +369,12 @@ ROOMY_SETTINGS: dict[str, object] = {"auth": {"default_rpm": 1_000_000, "default
 def admin_request(
     up: Up, method: str, path: str, body: object = None, *, timeout: float = 30.0
 ) -> httpx.Response:
-    """One call to the admin API of ``up`` (``/api/v1/…``) with its admin key."""
+    """One call to the admin API of ``up`` (``/api/v1/…``) with its admin token."""
     return httpx.request(
         method,
         f"http://{up.run['admin']}{path}",
         json=body,
-        headers={"authorization": f"Bearer {up.admin_key}"},
+        headers={"authorization": f"Bearer {up.admin_token}"},
         timeout=timeout,
     )
 

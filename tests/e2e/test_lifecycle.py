@@ -212,8 +212,12 @@ class Cluster:
         return f"http://{self.run['api']}"
 
     @property
-    def admin_key(self) -> str:
-        return (self.data_dir / "admin-key").read_text().strip()
+    def admin_token(self) -> str:
+        return (self.data_dir / "admin-token").read_text().strip()
+
+    @property
+    def client_key(self) -> str:
+        return (self.data_dir / "client-key").read_text().strip()
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -270,7 +274,7 @@ class Cluster:
 
     def client(self, timeout: float = HTTP_TIMEOUT_S) -> openai.OpenAI:
         return openai.OpenAI(
-            base_url=f"{self.base_url}/v1", api_key=self.admin_key, timeout=timeout, max_retries=0
+            base_url=f"{self.base_url}/v1", api_key=self.client_key, timeout=timeout, max_retries=0
         )
 
 

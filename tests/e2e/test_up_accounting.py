@@ -20,6 +20,7 @@ auth:
   default_rpm: 1000
   pricing:
     priced-model: {prompt_per_1k: 1000, completion_per_1k: 100000000}
+    free-model: {prompt_per_1k: 0, completion_per_1k: 0}
 """
 
 

@@ -52,7 +52,7 @@ def _live_replicas(up: Any, model: str) -> list[str]:
 def _chat(up: Any, model: str) -> httpx.Response:
     return httpx.post(
         f"{up.base_url}/v1/chat/completions",
-        headers={"authorization": f"Bearer {up.admin_key}"},
+        headers={"authorization": f"Bearer {up.client_key}"},
         json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
         timeout=30,
     )

@@ -116,7 +116,7 @@ def test_bad_requests_get_openai_error_shapes_and_statuses(start_up: Any) -> Non
     up = start_up("--engine", "sim", "--model-name", MODEL)
     up.wait_ready()
     url = f"{up.base_url}/v1/chat/completions"
-    good = {"authorization": f"Bearer {up.admin_key}"}
+    good = {"authorization": f"Bearer {up.client_key}"}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     with httpx.Client(timeout=30) as http:
         cases = [
@@ -138,6 +138,12 @@ def test_bad_requests_get_openai_error_shapes_and_statuses(start_up: Any) -> Non
         assert http.get(url, headers=good).headers["allow"] == "POST"
         assert "JSON" in cases[2][0].json()["error"]["message"]
         assert cases[3][0].json()["error"]["param"] == "messages"
+        # The admin token is no client key: /v1 refuses it, in OpenAI's shape, saying so.
+        admin = http.post(url, json=body, headers={"authorization": f"Bearer {up.admin_token}"})
+        assert admin.status_code == 401
+        assert admin.json()["error"]["code"] == "invalid_api_key"
+        assert admin.json()["error"]["type"] == cases[1][0].json()["error"]["type"]
+        assert "admin token" in admin.json()["error"]["message"]
     client = up.openai_client(api_key="sk-llmgw-nope")
     try:
         with pytest.raises(openai.AuthenticationError):
@@ -170,9 +176,8 @@ def test_a_key_made_with_keys_create_works_and_is_stored_only_as_a_hash(start_up
     again = up.cli("keys", "revoke", keys["ci-bot"]["id"])
     assert again.returncode != 0
     assert "already revoked" in again.stderr
-    only_admin = up.cli("keys", "revoke", keys["admin"]["id"])
-    assert only_admin.returncode != 0
-    assert "only live admin key" in only_admin.stderr
+    assert keys["client"]["project"] == "default/default/default"
+    assert not keys["client"]["is_admin"]
     refused = httpx.post(
         f"{up.base_url}/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
@@ -274,18 +279,95 @@ def test_sigint_stops_everything_and_frees_every_port_within_ten_seconds(
     assert "stopped" in up.log()
 
 
-def test_a_second_start_reuses_the_store_and_says_where_the_admin_key_is(start_up: Any) -> None:
+def test_a_first_start_prints_the_client_key_and_where_the_admin_token_is_and_a_second_reuses_them(
+    start_up: Any,
+) -> None:
     first = start_up("--engine", "sim", "--model-name", MODEL)
     first.wait_ready()
-    key = first.admin_key
-    assert oct((first.data_dir / "admin-key").stat().st_mode & 0o777) == "0o600"
-    assert key in first.log()
+    key, token = first.client_key, first.admin_token
+    assert key.startswith("sk-llmgw-")
+    assert token.startswith("llmgw-admin-")
+    for name in ("client-key", "admin-token"):
+        assert oct((first.data_dir / name).stat().st_mode & 0o777) == "0o600"
+    log = first.log()
+    assert f"client key for /v1 (shown once, kept in {first.data_dir / 'client-key'}" in log
+    assert key in log
+    assert f"admin token: made, kept in {first.data_dir / 'admin-token'}" in log
+    assert token not in log
+    assert f"$(cat {first.data_dir / 'client-key'})" in log  # the curl example uses the client key
+    assert not (first.data_dir / "admin-key").exists()
     first.stop()
     second = start_up("--engine", "sim", "--model-name", MODEL)
     second.wait_ready()
-    assert second.admin_key == key
+    assert (second.client_key, second.admin_token) == (key, token)
     assert key not in second.log()
-    assert "admin-key" in second.log()
+    assert token not in second.log()
+    assert f"client key: in {second.data_dir / 'client-key'}" in second.log()
+    assert f"admin token: in {second.data_dir / 'admin-token'}" in second.log()
+
+
+def test_an_older_data_dir_s_admin_key_becomes_the_client_key_and_loses_the_admin_api(
+    start_up: Any,
+) -> None:
+    """A data directory as an older llmgw left it: one sk-llmgw- admin key in
+    admin-key, no admin token. The next start keeps that key for /v1 only."""
+    first = start_up("--engine", "sim", "--model-name", MODEL)
+    first.wait_ready()
+    old_key = first.client_key
+    first.stop()
+    data = first.data_dir
+    (data / "client-key").rename(data / "admin-key")
+    (data / "admin-token").unlink()
+    with sqlite3.connect(data / "llmgw.db") as db:
+        db.execute("UPDATE keys SET is_admin = 1")
+    second = start_up("--engine", "sim", "--model-name", MODEL)
+    second.wait_ready()
+    assert not (data / "admin-key").exists()
+    assert second.client_key == old_key
+    assert f"{data / 'admin-key'} held the admin key of an older llmgw" in second.log()
+    assert old_key not in second.log()
+    answer = second.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    )
+    assert answer.status_code == 200, answer.text
+    admin = f"http://{second.run['admin']}/api/v1/keys"
+    refused = httpx.get(admin, headers={"authorization": f"Bearer {old_key}"}, timeout=10)
+    assert refused.status_code == 401
+    listed = second.cli("keys", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    [key] = json.loads(listed.stdout)["data"]
+    assert not key["is_admin"]
+
+
+def test_the_admin_api_takes_only_the_admin_token_and_a_rotation_refuses_the_old_one_at_once(
+    start_up: Any,
+) -> None:
+    up = start_up("--engine", "sim", "--model-name", MODEL)
+    up.wait_ready()
+    admin = f"http://{up.run['admin']}/api/v1/keys"
+    old = up.admin_token
+    with_client_key = httpx.get(
+        admin, headers={"authorization": f"Bearer {up.client_key}"}, timeout=10
+    )
+    assert with_client_key.status_code == 401
+    error = with_client_key.json()["error"]
+    assert (error["code"], error["type"]) == ("invalid_api_key", "invalid_request_error")
+    assert error["message"].startswith("This is a client key")
+    assert httpx.get(admin, headers={"authorization": f"Bearer {old}"}, timeout=10).is_success
+    rotated = up.cli("keys", "rotate-admin")
+    assert rotated.returncode == 0, rotated.stderr
+    new = up.admin_token
+    assert new != old
+    assert new not in rotated.stdout
+    assert oct((up.data_dir / "admin-token").stat().st_mode & 0o777) == "0o600"
+    refused = httpx.get(admin, headers={"authorization": f"Bearer {old}"}, timeout=10)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["message"] == "Incorrect admin token provided."
+    assert httpx.get(admin, headers={"authorization": f"Bearer {new}"}, timeout=10).is_success
+    listed = up.cli("keys", "list")  # the CLI reads the new token
+    assert listed.returncode == 0, listed.stderr
+    assert "client" in listed.stdout
 
 
 def _engine_key(pid: int) -> str:
@@ -308,7 +390,7 @@ def test_the_engine_key_is_in_its_environment_and_the_client_key_never_reaches_i
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
         assert engine.post("/v1/chat/completions", json=body).status_code == 401
         with_client_key = engine.post(
-            "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {up.admin_key}"}
+            "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {up.client_key}"}
         )
         assert with_client_key.status_code == 401
         assert (
@@ -352,7 +434,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_engine_request(
             "POST",
             f"{up.base_url}/v1/chat/completions",
             json=body,
-            headers={"authorization": f"Bearer {up.admin_key}"},
+            headers={"authorization": f"Bearer {up.client_key}"},
         ) as response,
     ):
         assert response.status_code == 200
@@ -416,7 +498,7 @@ def test_a_request_for_a_loading_model_waits_for_it_and_is_answered(start_up: An
     response = httpx.post(
         f"{up.base_url}/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
-        headers={"authorization": f"Bearer {up.admin_key}"},
+        headers={"authorization": f"Bearer {up.client_key}"},
         timeout=60,
     )
     assert response.status_code == 200, response.text
@@ -475,7 +557,8 @@ def test_a_second_up_on_the_same_data_dir_or_ports_fails_clearly_and_changes_not
     assert same_ports.returncode != 0
     assert "cannot listen" in same_ports.stderr
     assert "Traceback" not in same_ports.stderr
-    assert not (other_dir / "admin-key").exists()
+    assert not (other_dir / "admin-token").exists()
+    assert not (other_dir / "client-key").exists()
     status = first.status()
     assert status["models"] == [MODEL]
     assert [r["replica_id"] for r in status["replicas"]] == [f"{MODEL}-0"]
@@ -587,7 +670,7 @@ def test_n_is_carried_to_an_engine_that_answers_n_choices_and_bad_n_is_refused(
 ) -> None:
     up = start_up("--engine", "sim", "--model-name", MODEL)
     up.wait_ready()
-    headers = {"authorization": f"Bearer {up.admin_key}"}
+    headers = {"authorization": f"Bearer {up.client_key}"}
     response = httpx.post(
         f"{up.base_url}/v1/chat/completions",
         json={

@@ -25,7 +25,7 @@ def test_the_starter_model_streams_an_answer_with_usage_through_the_openai_clien
     log = up.log()
     assert "model checked: gemma-3-270m sha256" in log
     assert "ready in" in log
-    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.admin_key, max_retries=0)
+    client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key=up.client_key, max_retries=0)
     try:
         assert [m.id for m in client.models.list()] == [MODEL]
         chunks = list(

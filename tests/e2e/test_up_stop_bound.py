@@ -52,7 +52,7 @@ class _Stream:
             "max_tokens": 1000,
             "stream": True,
         }
-        headers = {"authorization": f"Bearer {up.admin_key}"}
+        headers = {"authorization": f"Bearer {up.client_key}"}
         try:
             with httpx.stream(
                 "POST", f"{up.base_url}/v1/chat/completions", json=body, headers=headers, timeout=60

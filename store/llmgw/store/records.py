@@ -132,7 +132,9 @@ class KeyRecord:
         key_hash: hex SHA-256 of the whole ``sk-llmgw-…`` secret.
         prefix: the first characters of the secret, for people to recognise it.
         created_at: UTC epoch seconds.
-        is_admin: whether the key may also call the admin API.
+        is_admin: an older llmgw's admin key (which also opened the admin
+            API); the admin API now takes only the admin token, and ``llmgw
+            up`` clears this on the key it kept in ``admin-key``.
         revoked_at: UTC epoch seconds, or ``None`` while the key is live.
         expires_at: UTC epoch seconds, or ``None`` for no expiry.
         project_id: the project the key belongs to (and spends in), or
@@ -416,7 +418,7 @@ class SettingChange:
         document: the whole settings document of this version (plain JSON
             types, the unstructured ``ServerSettings``).
         changed_at: UTC epoch seconds.
-        actor: who changed it (an admin key's name and id, ``server.yaml``
+        actor: who changed it (``admin token (FINGERPRINT)``, ``server.yaml``
             for the seed).
         note: why, free text (may be empty).
     """
