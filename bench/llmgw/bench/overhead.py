@@ -22,7 +22,7 @@ engine alone saturates (errors, or its median request over
 the load generator share one core), the run stops there, since nothing
 above that rate can be compared. Each request has a
 :data:`REQUEST_TIMEOUT_S` deadline, so a saturated run ends soon after its
-window. With the defaults (:data:`DEFAULT_RATES`, 2.5 s measured after
+window. With the defaults (:data:`DEFAULT_RATES`, 2 s measured after
 0.5 s of warm-up per run) the whole benchmark takes about a minute.
 
 The processes it starts run in their own sessions: a Ctrl-C at the terminal
@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 DEFAULT_RATES: Final = (50.0, 100.0, 200.0, 400.0, 800.0)
-DEFAULT_DURATION_S: Final = 2.5
+DEFAULT_DURATION_S: Final = 2.0
 DEFAULT_WARMUP_S: Final = 0.5
 #: Each request's deadline, in seconds: a saturated run ends this soon after its window.
 REQUEST_TIMEOUT_S: Final = 5.0
