@@ -146,6 +146,7 @@ def measure(
     reader.start()
     try:
         ready_s = _wait_ready(base, process, started, lines)
+        cpu_at_ready_s = group_cpu_s(process.pid)
         key = (home / KEY_FILE).read_text().strip()
         client = OpenAI(base_url=f"{base}/v1", api_key=key, timeout=60.0, max_retries=0)
         first_token_s = 0.0
@@ -174,6 +175,7 @@ def measure(
         "first_line_s": round(lines[0][0], 2) if lines else None,
         "engine_started_s": round(engine_started[0], 2) if engine_started else None,
         "cpu_before_engine_s": round(engine_cpu_s[0], 2) if engine_cpu_s else None,
+        "cpu_at_ready_s": round(cpu_at_ready_s, 2),
         "ready_s": round(ready_s, 2),
         "first_token_s": round(first_token_s, 2),
         "answer": answer,
