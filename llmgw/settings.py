@@ -20,6 +20,7 @@ for example::
       batch_size: 500
       buffer_size: 10000
       cache_ttl: 5s              # key lookups trusted this long
+      usage_retain_days: 90      # raw usage rows kept this long; hourly and daily sums kept for good
 
 Durations are numbers of seconds or strings like ``45s``, ``30m``, ``12h``,
 ``90d``. ``llmgw up`` reads ``DATA_DIR/server.yaml`` when it exists (or
@@ -219,6 +220,7 @@ class AuthSettings:
     batch_size: int = attrs.field(default=500, validator=attrs.validators.ge(1))
     buffer_size: int = attrs.field(default=10_000, validator=attrs.validators.ge(1))
     cache_ttl: float = _duration_field(5.0)
+    usage_retain_days: int = attrs.field(default=90, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen(kw_only=True)

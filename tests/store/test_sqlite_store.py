@@ -100,6 +100,8 @@ async def test_the_schema_has_the_tables_and_usage_indexes(tmp_path: Path) -> No
         "keys",
         "usage",
         "usage_hourly",
+        "usage_daily",
+        "usage_retention",
         "orgs",
         "teams",
         "projects",
@@ -175,6 +177,7 @@ async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Pa
         (4, "0004_catalog.sql"),
         (5, "0005_settings_history.sql"),
         (6, "0006_usage_cache_hit.sql"),
+        (7, "0007_usage_retention.sql"),
     ]
     assert backups(path) == []
 
@@ -395,6 +398,23 @@ async def test_a_0001_database_keeps_its_keys_and_usage_through_the_tenancy_migr
             ("key_2", 1, 50, 0, 9),
         ]
         assert await store.spend_since_by_scope(-HOUR_S) == {"key:key_1": 0, "key:key_2": 0}
+        # The errors (status 400 or more) were counted into the hourly
+        # roll-ups, and the daily roll-ups summed from them.
+        assert query(path, "SELECT hour, errors FROM usage_hourly ORDER BY hour") == [
+            (-3600, 0),
+            (0, 1),
+            (3600, 0),
+            (1_767_225_600, 0),
+        ]
+        assert query(
+            path,
+            "SELECT day, key_id, requests, prompt_tokens, errors FROM usage_daily ORDER BY day",
+        ) == [
+            (-86400, "key_1", 1, 10, 0),
+            (0, "key_1", 3, 60, 1),
+            (1_767_225_600, "key_2", 1, 50, 0),
+        ]
+        assert await store.usage_pruned_before() is None
 
         # An old key moves into the tree; new usage adds into the old hours.
         path_, _ = await store.ensure_project("Acme", "ml", "train", now=10.0)
