@@ -80,6 +80,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--retain-days", type=int, default=90)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
+    parser.add_argument(
+        "--measure-only",
+        action="store_true",
+        help="time the queries on a database kept by an earlier --keep run (kept again)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     return parser.parse_args()
 
@@ -343,8 +348,12 @@ async def measure(
 
         year_before = [await store.usage_summary(by, since) for by in ("org", "model")]
         timing = TimingStore(store)
+        # One hour more than is pruned already (runs on a kept database each
+        # prune the next hour).
+        horizon = await store.usage_pruned_before()
+        prune_now = (now if horizon is None else horizon + retain_days * DAY_S) + HOUR_S
         started = time.perf_counter()
-        deleted = await prune_usage_past(timing, retain_days, now + HOUR_S)  # type: ignore[arg-type]
+        deleted = await prune_usage_past(timing, retain_days, prune_now)  # type: ignore[arg-type]
         pass_s = time.perf_counter() - started
         batch_s = [s for _, s in timing.batches]
         out["prune one hour"] = {
@@ -365,16 +374,28 @@ async def measure(
 def main() -> None:
     args = parse_args()
     db: Path = args.db
-    if db.exists():
-        raise SystemExit(f"{db} exists: remove it or give another --db")
-    db.parent.mkdir(parents=True, exist_ok=True)
-    now = int(time.time()) // HOUR_S * HOUR_S + 1234  # mid-hour, as a real "now" is
+    # The generated data's "now" and parameters, for a later --measure-only.
+    made = db.with_name(db.name + ".bench.json")
+    if args.measure_only:
+        if not made.exists():
+            raise SystemExit(f"{made} is missing: generate with --keep first")
+        saved = json.loads(made.read_text())
+        now = int(saved["now"])
+        args.keys, args.rate, args.days, args.retain_days = (
+            saved[k] for k in ("keys", "rate", "days", "retain_days")
+        )
+        args.keep = True
+    else:
+        if db.exists():
+            raise SystemExit(f"{db} exists: remove it or give another --db")
+        db.parent.mkdir(parents=True, exist_ok=True)
+        now = int(time.time()) // HOUR_S * HOUR_S + 1234  # mid-hour, as a real "now" is
 
-    async def make() -> None:
-        async with open_sqlite_store(db):
-            pass
+        async def make() -> None:
+            async with open_sqlite_store(db):
+                pass
 
-    trio.run(make)
+        trio.run(make)
     report: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -391,16 +412,19 @@ def main() -> None:
         },
     }
     try:
-        started = time.perf_counter()
-        report["generated"] = generate(
-            db,
-            keys=args.keys,
-            rate=args.rate,
-            days=args.days,
-            retain_days=args.retain_days,
-            now=now,
-        )
-        report["generated"]["total_s"] = round(time.perf_counter() - started, 1)
+        if not args.measure_only:
+            started = time.perf_counter()
+            report["generated"] = generate(
+                db,
+                keys=args.keys,
+                rate=args.rate,
+                days=args.days,
+                retain_days=args.retain_days,
+                now=now,
+            )
+            report["generated"]["total_s"] = round(time.perf_counter() - started, 1)
+            keys = ("keys", "rate", "days", "retain_days")
+            made.write_text(json.dumps({"now": now, **{k: getattr(args, k) for k in keys}}))
         report["file_bytes"] = db.stat().st_size
         report["load_before_queries"] = [round(x, 2) for x in os.getloadavg()]
         report["queries"] = trio.run(
