@@ -1,6 +1,6 @@
 """Usage retention: raw usage rows older than ``auth.usage_retain_days`` are
-deleted by the leader, a short batch at a time; the hourly and daily
-roll-ups keep their sums for good (``docs/up.md``, Usage kept).
+deleted by the leader, a short batch at a time; the hourly, daily
+and monthly roll-ups keep their sums for good (``docs/up.md``, Usage kept).
 
 :func:`serve_usage_retention` runs while this control plane leads. Every
 :data:`PRUNE_EVERY_S` (and once at once) it deletes the rows older than the

@@ -5,7 +5,7 @@ their sums.
   first (``last`` 1 to :data:`MAX_USAGE_ROWS`, default 20);
 - ``GET /api/v1/usage/summary?by=key|project|team|org|model&since=24h`` →
   ``{"by", "since" (epoch seconds), "data": [sum with "name"]}``, from the
-  daily and hourly roll-ups (kept for good; raw rows only for the part of
+  monthly, daily and hourly roll-ups (kept for good; raw rows only for the part of
   an hour at the start), so ``since=365d`` works after raw rows are pruned;
 - ``GET /api/v1/usage/export?format=csv|jsonl&since=30d&until=…``: every row
   in the period, streamed (CSV with a header line, or JSON lines);

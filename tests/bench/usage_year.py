@@ -24,14 +24,15 @@ What it does:
      (the most roll-up rows that keys, models and hours can make; at the default
      rate a key sends about 7 requests an hour, so nearly every hour has
      some), with 1 to 6 requests each;
-   - the daily roll-ups, summed from the hourly ones (as the migration does).
+   - the daily and monthly roll-ups, summed from the hourly and daily ones
+     (as the migration does).
 4. Reports the file's size (after a WAL checkpoint) and row counts.
 5. Times, through the product's store (``usage_summary``, what ``ctl usage
    --by … --since 365d`` and ``/api/v1/usage/summary`` call), the sums over
    365 days by key, project, team, org and model (``--repeat`` times each);
    the budget restore's reads (``spend_since_by_scope`` since the day's and
    the month's start); and, for comparison, the same year by key read from
-   the hourly roll-ups alone.
+   the daily roll-ups alone and from the hourly ones alone.
 6. Prunes one more hour of raw rows the way the leader does
    (``prune_usage_past``, 2,000 rows a transaction) and reports how long each
    transaction held the write lock.
@@ -248,12 +249,20 @@ def generate(
             " sum(cost_micros), sum(errors) FROM usage_hourly"
             " GROUP BY day, key_id, model, project_id, team_id, org_id"
         )
+        conn.execute(
+            "INSERT INTO usage_monthly (month, key_id, model, project_id, team_id, org_id,"
+            " requests, prompt_tokens, cached_tokens, completion_tokens, cost_micros, errors)"
+            " SELECT CAST(strftime('%s', day, 'unixepoch', 'start of month') AS INTEGER) AS month,"
+            " key_id, model, project_id, team_id, org_id, sum(requests), sum(prompt_tokens),"
+            " sum(cached_tokens), sum(completion_tokens), sum(cost_micros), sum(errors)"
+            " FROM usage_daily GROUP BY month, key_id, model, project_id, team_id, org_id"
+        )
         conn.execute("COMMIT")
-        took["daily roll-ups"] = time.perf_counter() - started
+        took["daily and monthly roll-ups"] = time.perf_counter() - started
         conn.execute("PRAGMA journal_mode = WAL")
         counts = {
             table: conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-            for table in ("usage", "usage_hourly", "usage_daily", "keys")
+            for table in ("usage", "usage_hourly", "usage_daily", "usage_monthly", "keys")
         }
         pages = {
             name: conn.execute(
@@ -263,7 +272,7 @@ def generate(
             ).fetchone()[0]
             if _has_dbstat(conn)
             else None
-            for name in ("usage", "usage_hourly", "usage_daily")
+            for name in ("usage", "usage_hourly", "usage_daily", "usage_monthly")
         }
     finally:
         conn.close()
@@ -342,6 +351,18 @@ async def measure(
                     (since // HOUR_S * HOUR_S,),
                 ).fetchall()
 
+        def daily_only() -> list[Any]:
+            with sqlite3.connect(db) as conn:
+                return conn.execute(
+                    "SELECT key_id, sum(requests), sum(prompt_tokens), sum(cached_tokens),"
+                    " sum(completion_tokens), sum(cost_micros), sum(errors) FROM usage_daily"
+                    " WHERE day >= ? GROUP BY key_id",
+                    (since // DAY_S * DAY_S,),
+                ).fetchall()
+
+        out[f"daily roll-ups alone by key, {days} days (for comparison)"] = await timed(
+            lambda: trio.to_thread.run_sync(daily_only), repeat
+        )
         out[f"hourly roll-ups alone by key, {days} days (for comparison)"] = await timed(
             lambda: trio.to_thread.run_sync(hourly_only), max(1, repeat // 2)
         )

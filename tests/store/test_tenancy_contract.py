@@ -618,6 +618,27 @@ async def test_a_summary_is_exact_wherever_the_range_begins_and_ends(store: Stor
     assert await cost(T0 + HOUR, T0 + HOUR) == 0  # an empty range
 
 
+async def test_sums_over_many_months_are_exact_for_any_range(store: Store) -> None:
+    """Whole months, days and hours (roll-ups) and partial hours (raw rows) meet exactly."""
+    rng = random.Random(13)
+    rows = random_rows(rng, 700, start=T0 - 40 * DAY, hours=24 * 120)
+    await store.insert_usage(rows)
+    feb, mar = T0 + 31 * DAY, T0 + 59 * DAY  # 2026-02-01, 2026-03-01
+    bounds = [T0 - 40 * DAY, T0, feb, mar, mar - 0.5, feb + 7 * HOUR + 0.25, T0 + 75 * DAY]
+    bounds += [T0 + rng.uniform(-40 * DAY, 80 * DAY) for _ in range(6)]
+    for since in bounds:
+        for until in [None, *bounds]:
+            if until is not None and until < since:
+                continue
+            inside = [
+                r for r in rows if since <= r.created_at and (until is None or r.created_at < until)
+            ]
+            assert await store.usage_summary("team", since, until) == expected_summary(
+                inside, "team"
+            ), (since, until)
+        assert await store.spend_since_by_scope(since) == expected_spend(rows, since), since
+
+
 async def test_sums_over_many_days_are_exact_for_any_range(store: Store) -> None:
     """Whole days (daily roll-ups), whole hours and partial hours (raw rows) meet exactly."""
     rng = random.Random(11)

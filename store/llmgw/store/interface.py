@@ -136,7 +136,7 @@ class Store(Protocol):
 
         A row whose ``request_id`` is already stored is skipped, so a batch
         retried after an error it did not see is never counted twice. New
-        rows are added into the hourly and daily roll-ups in the same
+        rows are added into the hourly, daily and monthly roll-ups in the same
         transaction. A row older than the pruning horizon
         (:meth:`usage_pruned_before`) is skipped too: it may have been stored
         and pruned already, so its sums may be in the roll-ups.
@@ -166,7 +166,7 @@ class Store(Protocol):
     ) -> list[UsageSummary]:
         """Usage per group with ``since <= created_at < until``, most expensive first.
 
-        Read from the daily and hourly roll-ups; raw rows only for the parts
+        Read from the monthly, daily and hourly roll-ups; raw rows only for the parts
         of an hour at either end. Where those raw rows were pruned, that hour
         counts whole.
         """

@@ -14,12 +14,12 @@ elsewhere fails within about ``LOCKED_DEADLINE_S + BUSY_TIMEOUT_S`` seconds
 Reads are not blocked by another writer (WAL).
 
 Usage roll-ups: :meth:`SqliteStore.insert_usage` adds each new row into
-``usage_hourly`` and ``usage_daily`` (per hour or UTC day, key, model and
-tree place) in the same transaction. :meth:`~SqliteStore.prune_usage`
+``usage_hourly``, ``usage_daily`` and ``usage_monthly`` (per hour, UTC day
+or calendar month, key, model and tree place) in the same transaction. :meth:`~SqliteStore.prune_usage`
 deletes raw rows past the retention in short batches and leaves the
 roll-ups alone. :meth:`~SqliteStore.spend_since_by_scope` and
-:meth:`~SqliteStore.usage_summary` sum a range from whole days
-(``usage_daily``), whole hours (``usage_hourly``) and, for the parts of an
+:meth:`~SqliteStore.usage_summary` sum a range from whole months,
+days and hours (the longest that fit) and, for the parts of an
 hour at either end, the raw rows; where those raw rows were pruned, that
 hour counts whole (``docs/up.md``, Usage kept).
 
@@ -30,6 +30,7 @@ Cancellation: a call that is running in its thread is waited for (trio's
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
 import math
@@ -310,8 +311,8 @@ class SqliteStore:
 
         A row whose ``request_id`` is already stored (or repeats earlier in
         the batch) is skipped, so a retried batch is never counted twice.
-        Each new row is also added into the hourly and daily roll-ups (hour
-        or day, key, model = ``served_model`` or else ``model``, and the
+        Each new row is also added into the hourly, daily and monthly
+        roll-ups (hour, UTC day or calendar month, key, model = ``served_model`` or else ``model``, and the
         row's tree ids) in the same transaction. A row older than the pruning
         horizon is skipped too (logged): it may have been stored and pruned
         already, and its sums are then in the roll-ups.
@@ -354,8 +355,8 @@ class SqliteStore:
         """Usage per key, project, team, org or model id, from the roll-ups.
 
         Exactly the rows with ``since <= created_at < until`` (``until``
-        ``None`` = no end): whole days from the daily roll-ups, whole hours
-        from the hourly ones, and the part of an hour at either end from
+        ``None`` = no end): whole months, days and hours from the monthly,
+        daily and hourly roll-ups (the longest that fit), and the part of an hour at either end from
         the raw rows. Where the raw rows of such an hour were pruned, that
         hour counts whole. Usage without a place in the tree is grouped under
         ``""``. Groups come most expensive first, then by group.
@@ -837,6 +838,20 @@ def day_of(at: float) -> int:
     return int(at // DAY_S) * DAY_S
 
 
+def month_of(at: float) -> int:
+    """``at`` (UTC epoch s) floored to its UTC calendar month, as the monthly
+    roll-ups key it."""
+    day = dt.datetime.fromtimestamp(day_of(at), dt.UTC)
+    return int(day.replace(day=1).timestamp())
+
+
+def _next_month(month: int) -> int:
+    start = dt.datetime.fromtimestamp(month, dt.UTC)
+    if start.month == 12:
+        return int(start.replace(year=start.year + 1, month=1).timestamp())
+    return int(start.replace(month=start.month + 1).timestamp())
+
+
 _INSERT_USAGE = (
     "INSERT INTO usage (request_id, created_at, key_id, model, status, prompt_tokens,"
     " cached_tokens, completion_tokens, duration_ms, ttft_ms, replica_id, stream, endpoint,"
@@ -864,6 +879,7 @@ def _add_rollup(table: str, period: str) -> str:
 
 _ADD_HOURLY = _add_rollup("usage_hourly", "hour")
 _ADD_DAILY = _add_rollup("usage_daily", "day")
+_ADD_MONTHLY = _add_rollup("usage_monthly", "month")
 
 #: A group of the roll-ups without its period: key, model, project, team, org.
 _Group = tuple[str, str, str, str, str]
@@ -879,6 +895,8 @@ def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
     # those go into the roll-ups, which are then added once per group.
     hourly: dict[tuple[int, _Group], list[int]] = {}
     daily: dict[tuple[int, _Group], list[int]] = {}
+    monthly: dict[tuple[int, _Group], list[int]] = {}
+    months: dict[int, int] = {}  # day → its month, computed once a batch
     too_old = 0
     with write_transaction(conn):
         horizon = _usage_pruned_before(conn)
@@ -923,14 +941,20 @@ def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
                 r.cost_micros,
                 int(r.status >= ERROR_STATUS),
             )
+            day = day_of(r.created_at)
+            month = months.get(day)
+            if month is None:
+                month = months[day] = month_of(day)
             for sums in (
                 hourly.setdefault((hour_of(r.created_at), group), [0] * 6),
-                daily.setdefault((day_of(r.created_at), group), [0] * 6),
+                daily.setdefault((day, group), [0] * 6),
+                monthly.setdefault((month, group), [0] * 6),
             ):
                 for i, add in enumerate(adds):
                     sums[i] += add
         conn.executemany(_ADD_HOURLY, [(at, *g, *sums) for (at, g), sums in hourly.items()])
         conn.executemany(_ADD_DAILY, [(at, *g, *sums) for (at, g), sums in daily.items()])
+        conn.executemany(_ADD_MONTHLY, [(at, *g, *sums) for (at, g), sums in monthly.items()])
     if too_old:
         logger.warning(
             "%d usage row(s) older than the pruning horizon %s not written: they may have "
@@ -991,9 +1015,46 @@ _RAW_COLUMNS: Final[dict[str, str]] = {
     "model": "CASE WHEN served_model != '' THEN served_model ELSE model END",
 }
 
+#: Where each roll-up level is kept: table and period column.
+_ROLLUP_TABLES: Final[dict[str, tuple[str, str]]] = {
+    "hour": ("usage_hourly", "hour"),
+    "day": ("usage_daily", "day"),
+    "month": ("usage_monthly", "month"),
+}
+
 #: (requests, prompt, cached, completion, cost_micros, errors) of the rows of
 #: one group.
 _Sums = list[int]
+
+
+#: The roll-up levels, longest first: (source, floor of a time to its
+#: period's start, the start of the next period).
+_LEVELS: Final = (
+    ("month", month_of, _next_month),
+    ("day", day_of, lambda day: day + DAY_S),
+    ("hour", hour_of, lambda hour: hour + HOUR_S),
+)
+
+
+def _whole(lo: float, hi: float, levels: int = 0) -> list[tuple[str, float, float | None]]:
+    """Pieces of roll-ups covering ``[lo, hi)`` (hour boundaries; ``hi`` may be
+    infinite): the longest periods that fit, shorter ones at either end."""
+    if lo >= hi:
+        return []
+    source, floor, step = _LEVELS[levels]
+    first = floor(lo)
+    if first != lo:
+        first = step(first)
+    last = hi if math.isinf(hi) else floor(hi)
+    if source == "hour" or first >= last:
+        if source == "hour":
+            return [(source, lo, None if math.isinf(hi) else hi)]
+        return _whole(lo, hi, levels + 1)
+    return [
+        *_whole(lo, first, levels + 1),
+        (source, float(first), None if math.isinf(last) else float(last)),
+        *_whole(last, hi, levels + 1),
+    ]
 
 
 def _pieces(
@@ -1002,10 +1063,10 @@ def _pieces(
     """Split ``[since, until)`` into the reads that sum it exactly.
 
     Each piece is ``(source, lo, hi)``: ``"raw"`` rows with ``lo <=
-    created_at < hi``, whole ``"hour"`` or ``"day"`` roll-ups with ``lo <=
-    hour (day) < hi``; ``hi`` ``None`` = no end. The part of an hour at
-    either end is read raw, unless raw rows there may be pruned (the hour
-    starts before ``horizon``): then that hour is read whole.
+    created_at < hi``, whole ``"hour"``, ``"day"`` or ``"month"`` roll-ups
+    with ``lo <= hour (day, month) < hi``; ``hi`` ``None`` = no end. The part
+    of an hour at either end is read raw, unless raw rows there may be
+    pruned (the hour starts before ``horizon``): then that hour is read whole.
     """
     end = math.inf if until is None else until
     if since >= end:
@@ -1016,33 +1077,21 @@ def _pieces(
         if horizon is not None and since < horizon:
             pass  # the raw rows of this hour may be gone: count it whole
         else:
-            head_end = min(lo + HOUR_S, end)
-            pieces.append(("raw", since, head_end))
+            pieces.append(("raw", since, min(lo + HOUR_S, end)))
             lo = lo + HOUR_S
             if lo >= end:
                 return pieces
     hi = end
+    tail: list[tuple[str, float, float | None]] = []
     if until is not None:
         last = float(hour_of(until))
         if last != until and last >= lo:
             if horizon is not None and last < horizon:
                 hi = last + HOUR_S  # count the last hour whole
             else:
-                pieces.append(("raw", last, until))
+                tail.append(("raw", last, until))
                 hi = last
-    if lo >= hi:
-        return pieces
-    first_day = float(-(-lo // DAY_S) * DAY_S)
-    last_day = hi if math.isinf(hi) else float(day_of(hi))
-    if first_day < last_day:
-        if lo < first_day:
-            pieces.append(("hour", lo, first_day))
-        pieces.append(("day", first_day, None if math.isinf(last_day) else last_day))
-        if last_day < hi:
-            pieces.append(("hour", last_day, hi))
-    else:
-        pieces.append(("hour", lo, None if math.isinf(hi) else hi))
-    return pieces
+    return [*pieces, *_whole(lo, hi), *tail]
 
 
 def _sum_usage(
@@ -1061,7 +1110,7 @@ def _sum_usage(
                 " FROM usage WHERE created_at >= ? AND created_at < ?"
             )
         else:
-            table, period = ("usage_hourly", "hour") if source == "hour" else ("usage_daily", "day")
+            table, period = _ROLLUP_TABLES[source]
             select = ", ".join(columns)
             sql = (
                 f"SELECT {select}, sum(requests), sum(prompt_tokens), sum(cached_tokens),"

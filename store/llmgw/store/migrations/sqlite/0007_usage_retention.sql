@@ -1,12 +1,13 @@
 -- 0007: usage kept for years. Raw rows are pruned after
 -- auth.usage_retain_days while their sums stay: the hourly roll-ups count
--- errors too, daily roll-ups (the same sums per day) let a year be summed
--- from a few hundred thousand rows, and usage_retention remembers how far
--- raw rows may have been pruned.
+-- errors too, daily and monthly roll-ups (the same sums per UTC day and
+-- calendar month) let a year be summed from a few rows per key and model,
+-- and usage_retention remembers how far raw rows may have been pruned.
 --
 -- Nothing is dropped. No raw row was ever pruned before this version, so the
 -- errors of the existing hourly roll-ups are counted from the raw rows, and
--- the daily roll-ups are summed from the hourly ones.
+-- the daily roll-ups are summed from the hourly ones, the monthly ones from
+-- the daily ones.
 
 ALTER TABLE usage_hourly ADD COLUMN errors INTEGER NOT NULL DEFAULT 0;
 
@@ -52,6 +53,32 @@ SELECT hour - ((hour % 86400) + 86400) % 86400 AS day, key_id, model, project_id
        sum(cost_micros), sum(errors)
 FROM usage_hourly
 GROUP BY day, key_id, model, project_id, team_id, org_id;
+
+-- The daily roll-ups summed per UTC calendar month (month = the epoch
+-- seconds of its first day), with the same key.
+CREATE TABLE usage_monthly (
+    month              INTEGER NOT NULL,
+    key_id             TEXT NOT NULL,
+    model              TEXT NOT NULL,
+    project_id         TEXT NOT NULL DEFAULT '',
+    team_id            TEXT NOT NULL DEFAULT '',
+    org_id             TEXT NOT NULL DEFAULT '',
+    requests           INTEGER NOT NULL DEFAULT 0,
+    prompt_tokens      INTEGER NOT NULL DEFAULT 0,
+    cached_tokens      INTEGER NOT NULL DEFAULT 0,
+    completion_tokens  INTEGER NOT NULL DEFAULT 0,
+    cost_micros        INTEGER NOT NULL DEFAULT 0,
+    errors             INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (month, key_id, model, project_id, team_id, org_id)
+) WITHOUT ROWID;
+
+INSERT INTO usage_monthly (month, key_id, model, project_id, team_id, org_id, requests,
+                           prompt_tokens, cached_tokens, completion_tokens, cost_micros, errors)
+SELECT CAST(strftime('%s', day, 'unixepoch', 'start of month') AS INTEGER) AS month, key_id,
+       model, project_id, team_id, org_id, sum(requests), sum(prompt_tokens),
+       sum(cached_tokens), sum(completion_tokens), sum(cost_micros), sum(errors)
+FROM usage_daily
+GROUP BY month, key_id, model, project_id, team_id, org_id;
 
 -- One row once raw rows were first pruned: raw rows older than
 -- pruned_before (UTC epoch s, an hour boundary) may be gone, their sums are
