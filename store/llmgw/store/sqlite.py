@@ -40,7 +40,7 @@ import re
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from functools import partial
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -343,8 +343,8 @@ class SqliteStore:
         Counters are named ``key:<id>``, ``project:<id>``, ``team:<id>`` and
         ``org:<id>``; every id seen in such usage is there (with 0 when it
         cost nothing), empty ids are not. Exact while the raw rows of the
-        hour of ``since`` are kept: whole days and hours come from the
-        roll-ups, the part of an hour after ``since`` from the raw rows (when
+        hour of ``since`` are kept: whole months, days and hours come from
+        the roll-ups, the part of an hour after ``since`` from the raw rows (when
         those were pruned, that hour counts whole).
         """
         return await self._run(partial(_spend_since_by_scope, since=since))
@@ -356,9 +356,10 @@ class SqliteStore:
 
         Exactly the rows with ``since <= created_at < until`` (``until``
         ``None`` = no end): whole months, days and hours from the monthly,
-        daily and hourly roll-ups (the longest that fit), and the part of an hour at either end from
-        the raw rows. Where the raw rows of such an hour were pruned, that
-        hour counts whole. Usage without a place in the tree is grouped under
+        daily and hourly roll-ups (the longest that fit), and the part of an
+        hour at either end from the raw rows. Where the raw rows of such an
+        hour were pruned, that hour counts whole. One read transaction, so
+        the pieces are of one moment. Usage without a place in the tree is grouped under
         ``""``. Groups come most expensive first, then by group.
 
         Raises:
@@ -1099,6 +1100,29 @@ def _sum_usage(
 ) -> dict[tuple[str, ...], _Sums]:
     """Usage with ``since <= created_at < until`` summed per group of ``columns``
     (names of :data:`_RAW_COLUMNS`); see :func:`_pieces`."""
+    with _read_snapshot(conn):
+        return _sum_pieces(conn, columns=columns, since=since, until=until)
+
+
+@contextlib.contextmanager
+def _read_snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """Run several reads in one (deferred) transaction: in WAL mode they all
+    see the database as it was at the first, whatever other connections
+    write or prune meanwhile."""
+    if conn.in_transaction:
+        yield
+        return
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        if conn.in_transaction:
+            conn.execute("COMMIT")
+
+
+def _sum_pieces(
+    conn: sqlite3.Connection, *, columns: Sequence[str], since: float, until: float | None
+) -> dict[tuple[str, ...], _Sums]:
     sums: dict[tuple[str, ...], _Sums] = {}
     width = len(columns)
     for source, lo, hi in _pieces(since, until, _usage_pruned_before(conn)):
