@@ -67,3 +67,16 @@ async def test_a_year_of_sums_is_read_from_the_roll_ups_after_pruning(
         "team", "requests", "errors", "prompt", "cached", "completion", "cost",
     ]  # fmt: skip
     assert line.split()[:3] == ["team_1", "8", "1"]
+
+
+async def test_the_retention_is_set_live_and_refused_below_a_day(
+    running: Running,  # noqa: F811
+) -> None:
+    assert (await running.ok("ctl", "config", "get", "auth.usage_retain_days")).strip() == "90"
+    out = await running.ok("ctl", "config", "set", "auth.usage_retain_days", "400")
+    assert out.strip().startswith("auth.usage_retain_days = 400 (settings version 2)")
+    assert running.cluster.settings.auth.usage_retain_days == 400  # what the pruner reads
+    result = await running.run("ctl", "config", "set", "auth.usage_retain_days", "0")
+    assert result.exit_code == 1
+    assert "usage_retain_days" in result.output
+    assert running.cluster.settings.auth.usage_retain_days == 400
