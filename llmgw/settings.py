@@ -21,6 +21,7 @@ for example::
       buffer_size: 10000
       cache_ttl: 5s              # key lookups trusted this long
       usage_sync_interval: 0.2s  # usage journal fdatasync at most this often; 0 = before each answer's end
+      usage_retain_days: 90      # raw usage rows kept this long; hourly and daily sums kept for good
 
 Durations are numbers of seconds or strings like ``45s``, ``30m``, ``12h``,
 ``90d``. ``llmgw up`` reads ``DATA_DIR/server.yaml`` when it exists (or
@@ -222,6 +223,7 @@ class AuthSettings:
     buffer_size: int = attrs.field(default=10_000, validator=attrs.validators.ge(1))
     cache_ttl: float = _duration_field(5.0)
     usage_sync_interval: float = _duration_field(0.2)
+    usage_retain_days: int = attrs.field(default=90, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen(kw_only=True)

@@ -5,7 +5,8 @@ their sums.
   first (``last`` 1 to :data:`MAX_USAGE_ROWS`, default 20);
 - ``GET /api/v1/usage/summary?by=key|project|team|org|model&since=24h`` →
   ``{"by", "since" (epoch seconds), "data": [sum with "name"]}``, from the
-  hourly roll-ups;
+  monthly, daily and hourly roll-ups (kept for good; raw rows only for the part of
+  an hour at the start), so ``since=365d`` works after raw rows are pruned;
 - ``GET /api/v1/usage/export?format=csv|jsonl&since=30d&until=…``: every row
   in the period, streamed (CSV with a header line, or JSON lines);
 - ``GET /api/v1/requests/<req_…>`` → one request's row (rows are written
@@ -155,5 +156,8 @@ def add_usage_routes(app: QuartTrio, store: Store, keys: KeysService) -> None:
             raise BadRequest(f"{request_id!r} is not a request id (req_…).")
         row = await store.get_usage(request_id)
         if row is None:
-            raise NoSuch(f"No request {request_id!r} (rows are written within a second or two).")
+            raise NoSuch(
+                f"No request {request_id!r} (rows are written within a second or two, and "
+                "pruned after auth.usage_retain_days)."
+            )
         return usage_view(row)

@@ -1,8 +1,10 @@
-"""Leadership: the leader lease in the store, and the reconciler run while
-it is held.
+"""Leadership: the leader lease in the store, and the leader-only work run
+while it is held: the reconciler and the usage retention (raw usage rows
+past ``auth.usage_retain_days`` pruned in short batches).
 
 Every control plane tries to take the lease named :data:`LEASE_NAME`; the one
-holding it leads and runs the reconciler, the others serve requests only.
+holding it leads and runs the leader-only work, the others serve requests
+only.
 With SQLite there is one control plane and it always leads; the lease row
 exists anyway so the code path is the same.
 """
@@ -17,6 +19,7 @@ from typing import Final, NoReturn
 
 import trio
 
+from llmgw.accounting.retention import serve_usage_retention
 from llmgw.control.cluster import Cluster
 from llmgw.control.reconciler import PortRange, serve_reconciler
 from llmgw.store import Store, StoreError
@@ -64,13 +67,14 @@ async def serve_leadership(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Hold the leader lease as ``holder``; while leading, run the reconciler
-    with ``engine_ports``. :meth:`Cluster.set_leader` says which, for the
+    with ``engine_ports`` and the usage retention (reading the live
+    ``auth.usage_retain_days`` of ``cluster``'s settings). :meth:`Cluster.set_leader` says which, for the
     ``/ready`` and status answers.
 
     Started once the first attempt to take the lease is over (taken or not).
     A store that cannot be reached is retried every second; a lease held by
     another every third of :data:`LEASE_TTL_S`. A lease that cannot be
-    renewed before it expires stops the reconciler.
+    renewed before it expires stops the leader-only work.
 
     Returns:
         Never returns unless cancelled.
@@ -101,6 +105,9 @@ async def serve_leadership(
         log.info("leading (lease epoch %d)", lease.epoch)
         async with trio.open_nursery() as leading:
             await leading.start(serve_reconciler, store, cluster, engine_ports)
+            await leading.start(
+                serve_usage_retention, store, lambda: cluster.settings.auth.usage_retain_days
+            )
             ready()
             expires_at = lease.expires_at
             while True:

@@ -24,9 +24,11 @@ __all__ = ["ctl_request", "ctl_usage"]
     "--by",
     type=click.Choice(["key", "project", "team", "org", "model"]),
     default=None,
-    help="Sums by this instead of rows (from hourly roll-ups).",
+    help="Sums by this instead of rows (from the roll-ups, kept for good).",
 )
-@click.option("--since", default="24h", show_default=True, help="With --by: 24h, 30d, 2026-11-01 …")
+@click.option(
+    "--since", default="24h", show_default=True, help="With --by: 24h, 30d, 365d, 2026-11-01 …"
+)
 @json_option()
 @click.pass_context
 def ctl_usage(
@@ -47,11 +49,12 @@ def ctl_usage(
         if as_json:
             print_json(doc)
             return
-        click.echo(f"{by:32}  requests  prompt  cached  completion  cost")
+        click.echo(f"{by:32}  requests  errors  prompt  cached  completion  cost")
         for row in doc["data"]:
             click.echo(
-                f"{row['name'][:32]:32}  {row['requests']:8}  {row['prompt_tokens']:6}  "
-                f"{row['cached_tokens']:6}  {row['completion_tokens']:10}  {row['cost_micros'] / 1e6:.6f}"
+                f"{row['name'][:32]:32}  {row['requests']:8}  {row['errors']:6}  "
+                f"{row['prompt_tokens']:6}  {row['cached_tokens']:6}  "
+                f"{row['completion_tokens']:10}  {row['cost_micros'] / 1e6:.6f}"
             )
         return
     params: dict[str, Any] = {"last": last}
@@ -82,7 +85,10 @@ def ctl_usage(
 @click.option("--until", default=None, help="Same forms as --since.")
 @data_dir_option()
 def ctl_usage_export(fmt: str, since: str, until: str | None, data_dir: Path) -> None:
-    """Every usage row in the period, streamed to stdout as CSV or JSON lines."""
+    """Every usage row in the period, streamed to stdout as CSV or JSON lines.
+
+    Raw rows are kept auth.usage_retain_days (default 90); older ones are
+    only in the sums of `ctl usage --by`."""
     client = AdminClient.from_data_dir(data_dir)
     params = {"format": fmt, "since": since}
     if until:

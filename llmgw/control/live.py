@@ -21,7 +21,8 @@ with a version counter and its history (``settings_history``):
   once.
 
 Live too: ``auth.default_rpm``, ``auth.default_tpm``, ``auth.pricing`` and
-``auth.default_price`` (the gateway follows them from its next request).
+``auth.default_price`` (the gateway follows them from its next request), and
+``auth.usage_retain_days`` (the leader's next pruning pass uses it).
 Read once at start, so a change takes effect at the next start
 (:data:`RESTART_KEYS`): the usage writer's ``auth.flush_interval``,
 ``batch_size`` and ``buffer_size``, ``auth.cache_ttl`` and

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from llmgw.store import KeyRecord, SqliteStore, StoreError, UsageRow, open_store
-from llmgw.store.sqlite import BUSY_TIMEOUT_S, HOUR_S, hour_of, open_sqlite_store
+from llmgw.store.sqlite import BUSY_TIMEOUT_S, HOUR_S, hour_of, month_of, open_sqlite_store
 
 EXTRA_MIGRATION = """
 -- A later migration for the tests: a new table and a new column.
@@ -100,6 +100,9 @@ async def test_the_schema_has_the_tables_and_usage_indexes(tmp_path: Path) -> No
         "keys",
         "usage",
         "usage_hourly",
+        "usage_daily",
+        "usage_monthly",
+        "usage_retention",
         "orgs",
         "teams",
         "projects",
@@ -175,6 +178,7 @@ async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Pa
         (4, "0004_catalog.sql"),
         (5, "0005_settings_history.sql"),
         (6, "0006_usage_cache_hit.sql"),
+        (7, "0007_usage_retention.sql"),
     ]
     assert backups(path) == []
 
@@ -395,6 +399,28 @@ async def test_a_0001_database_keeps_its_keys_and_usage_through_the_tenancy_migr
             ("key_2", 1, 50, 0, 9),
         ]
         assert await store.spend_since_by_scope(-HOUR_S) == {"key:key_1": 0, "key:key_2": 0}
+        # The errors (status 400 or more) were counted into the hourly
+        # roll-ups, and the daily roll-ups summed from them.
+        assert query(path, "SELECT hour, errors FROM usage_hourly ORDER BY hour") == [
+            (-3600, 0),
+            (0, 1),
+            (3600, 0),
+            (1_767_225_600, 0),
+        ]
+        assert query(
+            path,
+            "SELECT day, key_id, requests, prompt_tokens, errors FROM usage_daily ORDER BY day",
+        ) == [
+            (-86400, "key_1", 1, 10, 0),
+            (0, "key_1", 3, 60, 1),
+            (1_767_225_600, "key_2", 1, 50, 0),
+        ]
+        assert query(path, "SELECT month, key_id, requests, errors FROM usage_monthly") == [
+            (-2678400, "key_1", 1, 0),  # 1969-12-01
+            (0, "key_1", 3, 1),
+            (1_767_225_600, "key_2", 1, 0),
+        ]
+        assert await store.usage_pruned_before() is None
 
         # An old key moves into the tree; new usage adds into the old hours.
         path_, _ = await store.ensure_project("Acme", "ml", "train", now=10.0)
@@ -440,6 +466,26 @@ async def test_the_roll_up_hour_of_the_migration_is_the_one_insert_usage_uses(
             hour_of(t) for t in times
         ]
     assert [hour_of(t) for t in times] == [-10800, -3600, -3600, 0, 0, 0, 3600, 1_767_222_000]
+
+
+async def test_the_roll_up_month_of_the_migration_is_the_one_insert_usage_uses(
+    tmp_path: Path,
+) -> None:
+    """The migration finds a day's month in SQL; the store in Python: they must agree."""
+    days = [-86400 * 400, -86400, 0, 86400 * 31, 1_767_225_600, 1_772_236_800, 4_102_444_800]
+    path = tmp_path / "s.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        sql = "SELECT CAST(strftime('%s', :day, 'unixepoch', 'start of month') AS INTEGER)"
+        migration = (
+            importlib.resources.files("llmgw.store")
+            .joinpath("migrations", "sqlite", "0007_usage_retention.sql")
+            .read_text(encoding="utf-8")
+        )
+        assert sql.split("SELECT ")[1].replace(":day", "day") in " ".join(migration.split())
+        assert [conn.execute(sql, {"day": d}).fetchone()[0] for d in days] == [
+            month_of(d) for d in days
+        ]
+    assert month_of(1_772_236_800 + 3599.5) == 1_769_904_000  # 2026-02-28 → 2026-02-01
 
 
 # --- several connections on one file ----------------------------------------

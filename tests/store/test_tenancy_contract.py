@@ -30,6 +30,7 @@ from llmgw.store import (
 )
 
 HOUR = 3600.0
+DAY = 86_400.0
 #: 2026-01-01 00:00 UTC, a day and month start.
 T0 = 1_767_225_600.0
 
@@ -413,8 +414,10 @@ async def test_a_usage_row_with_its_tree_place_served_model_media_and_cost_round
     assert await store.list_usage() == [row]
 
 
-def random_rows(rng: random.Random, count: int, *, start: float = T0) -> list[UsageRow]:
-    """Rows over about two days, several keys, tree places and (served) models."""
+def random_rows(
+    rng: random.Random, count: int, *, start: float = T0, hours: int = 48
+) -> list[UsageRow]:
+    """Rows over ``hours`` hours (two days), several keys, tree places and (served) models."""
     places = [
         ("key_a", "proj_a", "team_a", "org_a"),
         ("key_b", "proj_a", "team_a", "org_a"),
@@ -431,7 +434,7 @@ def random_rows(rng: random.Random, count: int, *, start: float = T0) -> list[Us
                 f"req_{i:05d}",
                 start
                 + rng.choice(
-                    [0.0, 0.25, rng.uniform(0, 48 * HOUR), float(rng.randrange(48)) * HOUR]
+                    [0.0, 0.25, rng.uniform(0, hours * HOUR), float(rng.randrange(hours)) * HOUR]
                 ),
                 key=key,
                 project=project,
@@ -478,7 +481,7 @@ def group_of(row: UsageRow, by: SummaryBy) -> str:
 
 
 def expected_summary(rows: Iterable[UsageRow], by: SummaryBy) -> list[UsageSummary]:
-    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0, 0])
     for r in rows:
         s = sums[group_of(r, by)]
         s[0] += 1
@@ -486,6 +489,7 @@ def expected_summary(rows: Iterable[UsageRow], by: SummaryBy) -> list[UsageSumma
         s[2] += r.cached_tokens
         s[3] += r.completion_tokens
         s[4] += r.cost_micros
+        s[5] += r.status >= 400
     summaries = [
         UsageSummary(
             group=group,
@@ -494,6 +498,7 @@ def expected_summary(rows: Iterable[UsageRow], by: SummaryBy) -> list[UsageSumma
             cached_tokens=s[2],
             completion_tokens=s[3],
             cost_micros=s[4],
+            errors=s[5],
         )
         for group, s in sums.items()
     ]
@@ -587,24 +592,71 @@ async def test_usage_is_summed_by_each_dimension_over_the_hours_asked(
     assert await store.usage_summary(by, since) == expected_summary(after, by)
 
 
-async def test_a_summary_covers_every_whole_hour_that_overlaps_the_range(store: Store) -> None:
+async def test_a_summary_is_exact_wherever_the_range_begins_and_ends(store: Store) -> None:
     await store.insert_usage(
         [
             usage("a", T0 + 10.0, cost=1),
             usage("b", T0 + 3599.0, cost=2),
             usage("c", T0 + HOUR, cost=4),
             usage("d", T0 + 2 * HOUR + 1800.0, cost=8),
+            usage("e", T0 + 26 * HOUR + 5.0, cost=16),
         ]
     )
 
     async def cost(since: float, until: float | None) -> int:
         return sum(s.cost_micros for s in await store.usage_summary("key", since, until))
 
-    assert await cost(T0 + 1800.0, None) == 15  # since is floored to its hour
+    assert await cost(T0 + 1800.0, None) == 30  # the part of an hour after since
     assert await cost(T0, T0 + HOUR) == 3
     assert await cost(T0, T0 + 2 * HOUR) == 7
-    assert await cost(T0, T0 + 2 * HOUR + 1.0) == 15  # a partial last hour counts whole
-    assert await cost(T0 + 3 * HOUR, None) == 0
+    assert await cost(T0, T0 + 2 * HOUR + 1.0) == 7  # the part of the last hour before until
+    assert await cost(T0, T0 + 2 * HOUR + 1800.5) == 15
+    assert await cost(T0 + 20.0, T0 + 3599.0) == 0  # both ends in one hour
+    assert await cost(T0 + 5.0, T0 + 3599.5) == 3
+    assert await cost(T0 + 3 * HOUR, None) == 16
+    assert await cost(T0 + 27 * HOUR, None) == 0
+    assert await cost(T0 + HOUR, T0 + HOUR) == 0  # an empty range
+
+
+async def test_sums_over_many_months_are_exact_for_any_range(store: Store) -> None:
+    """Whole months, days and hours (roll-ups) and partial hours (raw rows) meet exactly."""
+    rng = random.Random(13)
+    rows = random_rows(rng, 700, start=T0 - 40 * DAY, hours=24 * 120)
+    await store.insert_usage(rows)
+    feb, mar = T0 + 31 * DAY, T0 + 59 * DAY  # 2026-02-01, 2026-03-01
+    bounds = [T0 - 40 * DAY, T0, feb, mar, mar - 0.5, feb + 7 * HOUR + 0.25, T0 + 75 * DAY]
+    bounds += [T0 + rng.uniform(-40 * DAY, 80 * DAY) for _ in range(6)]
+    for since in bounds:
+        for until in [None, *bounds]:
+            if until is not None and until < since:
+                continue
+            inside = [
+                r for r in rows if since <= r.created_at and (until is None or r.created_at < until)
+            ]
+            assert await store.usage_summary("team", since, until) == expected_summary(
+                inside, "team"
+            ), (since, until)
+        assert await store.spend_since_by_scope(since) == expected_spend(rows, since), since
+
+
+async def test_sums_over_many_days_are_exact_for_any_range(store: Store) -> None:
+    """Whole days (daily roll-ups), whole hours and partial hours (raw rows) meet exactly."""
+    rng = random.Random(11)
+    rows = random_rows(rng, 800, hours=24 * 9)
+    await insert_in_batches_with_retries(store, rows, rng)
+    bounds = [T0, T0 + 1.0, T0 + DAY, T0 + DAY - 0.5, T0 + 3 * DAY + 7 * HOUR]
+    bounds += [T0 + rng.uniform(0, 10 * DAY) for _ in range(12)]
+    for since in bounds:
+        for until in [None, *bounds]:
+            if until is not None and until < since:
+                continue
+            inside = [
+                r for r in rows if since <= r.created_at and (until is None or r.created_at < until)
+            ]
+            for by in ("key", "model"):
+                got = await store.usage_summary(by, since, until)
+                assert got == expected_summary(inside, by), (since, until, by)
+        assert await store.spend_since_by_scope(since) == expected_spend(rows, since), since
 
 
 async def test_summary_groups_come_most_expensive_first_then_by_name(store: Store) -> None:
@@ -641,6 +693,136 @@ async def test_a_summary_by_model_counts_the_model_that_answered(store: Store) -
 
 async def test_a_summary_with_no_usage_is_empty(store: Store) -> None:
     assert await store.usage_summary("project", T0) == []
+
+
+# --- retention ---------------------------------------------------------------
+
+
+async def prune_all(store: Store, before: float, *, limit: int) -> int:
+    """Prune in batches of ``limit`` until a batch comes back short; the rows deleted."""
+    deleted = 0
+    while True:
+        batch = await store.prune_usage(before, limit=limit)
+        assert 0 <= batch <= limit
+        deleted += batch
+        if batch < limit:
+            return deleted
+
+
+async def all_sums(store: Store, ranges: list[tuple[float, float | None]]) -> list[Any]:
+    return [
+        (
+            [await store.usage_summary(by, since, until) for by in get_args(SummaryBy)],
+            await store.spend_since_by_scope(since),
+        )
+        for since, until in ranges
+    ]
+
+
+async def test_pruning_rows_past_retention_keeps_the_sums_exact(store: Store) -> None:
+    rng = random.Random(2027)
+    rows = random_rows(rng, 900, hours=24 * 10)
+    await insert_in_batches_with_retries(store, rows, rng)
+    horizon = T0 + 4 * DAY + 5 * HOUR
+    # Ranges whose ends are hour boundaries, or after the horizon: sums the
+    # roll-ups and the kept raw rows can give exactly.
+    ranges: list[tuple[float, float | None]] = [
+        (0.0, None),
+        (T0, T0 + 10 * DAY),
+        (T0 + DAY, T0 + 4 * DAY + 2 * HOUR),
+        (T0 + 3 * HOUR, horizon + 1800.5),
+        (horizon + 0.25, None),
+        (horizon + 2 * DAY + 99.0, horizon + 3 * DAY + 3 * HOUR + 7.0),
+    ]
+    before = await all_sums(store, ranges)
+    for (since, until), (summaries, _) in zip(ranges, before, strict=True):
+        inside = [
+            r for r in rows if since <= r.created_at and (until is None or r.created_at < until)
+        ]
+        assert summaries[0] == expected_summary(inside, "key")
+
+    # Mid-hour: floored to the hour. Small batches: many short transactions.
+    deleted = await prune_all(store, horizon + 1234.5, limit=37)
+
+    old = [r for r in rows if r.created_at < horizon]
+    assert deleted == len({r.request_id for r in old}) > 37
+    assert await store.usage_pruned_before() == horizon
+    kept = await store.export_usage(0.0, None, limit=10_000)
+    assert {r.request_id for r in kept} == {r.request_id for r in rows if r.created_at >= horizon}
+    assert await all_sums(store, ranges) == before
+    # Nothing is left to prune: nothing changes, the horizon stays.
+    assert await store.prune_usage(horizon, limit=37) == 0
+    assert await all_sums(store, ranges) == before
+
+
+async def test_a_range_starting_mid_hour_before_the_horizon_counts_that_hour_whole(
+    store: Store,
+) -> None:
+    await store.insert_usage(
+        [
+            usage("a", T0 + 10.0, cost=1),
+            usage("b", T0 + 1900.0, cost=2),
+            usage("c", T0 + 3 * HOUR + 10.0, cost=4),
+            usage("d", T0 + 3 * HOUR + 1900.0, cost=8),
+        ]
+    )
+    assert await store.prune_usage(T0 + 2 * HOUR) == 2
+
+    async def cost(since: float, until: float | None) -> int:
+        return sum(s.cost_micros for s in await store.usage_summary("key", since, until))
+
+    # The raw rows of the first hour are gone: its roll-up counts whole.
+    assert await cost(T0 + 1800.0, None) == 15
+    assert await cost(T0, T0 + 1800.0) == 3
+    assert await store.spend_since_by_scope(T0 + 1800.0) == expected_spend(
+        [usage("x", T0, cost=15)], 0.0
+    )
+    # Past the horizon the raw rows are there: exact.
+    assert await cost(T0 + 3 * HOUR + 1800.0, None) == 8
+    assert await cost(T0 + 3 * HOUR, T0 + 3 * HOUR + 1800.0) == 4
+
+
+async def test_a_batch_replayed_after_pruning_is_not_counted_twice(store: Store) -> None:
+    """The journal may replay rows already stored, some of them since pruned."""
+    rng = random.Random(5)
+    rows = random_rows(rng, 400, hours=24 * 4)
+    await insert_in_batches_with_retries(store, rows, rng)
+    horizon = T0 + 2 * DAY
+    await prune_all(store, horizon, limit=50)
+    ranges: list[tuple[float, float | None]] = [(0.0, None), (T0 + DAY, T0 + 3 * DAY)]
+    before = await all_sums(store, ranges)
+
+    await store.insert_usage(rows)  # every row again, pruned ones included
+    await insert_in_batches_with_retries(store, rows, rng)
+
+    assert await all_sums(store, ranges) == before
+    kept = await store.export_usage(0.0, None, limit=10_000)
+    assert {r.request_id for r in kept} == {r.request_id for r in rows if r.created_at >= horizon}
+    # A new row older than the horizon is refused as well (it cannot be told
+    # from a pruned one); a new row after it is counted.
+    late_new = usage("late_new", T0 + 3 * DAY)
+    await store.insert_usage([usage("late_old", T0 + 5.0, cost=7), late_new])
+    assert await store.get_usage("late_old") is None
+    assert await store.get_usage("late_new") == late_new
+    assert await store.usage_summary("key", 0.0) == expected_summary([*rows, late_new], "key")
+
+
+async def test_the_pruning_horizon_only_moves_forward(store: Store) -> None:
+    assert await store.usage_pruned_before() is None
+    assert await store.prune_usage(T0 + DAY) == 0  # nothing that old: nothing written
+    assert await store.usage_pruned_before() is None
+    await store.insert_usage([usage("a", T0 + 10.0), usage("b", T0 + 2 * DAY)])
+    assert await store.prune_usage(T0 + DAY + 0.5) == 1
+    assert await store.usage_pruned_before() == T0 + DAY
+    await store.insert_usage([usage("c", T0 + DAY + 10.0)])
+    assert await store.prune_usage(T0 + 20.0) == 0  # an earlier time
+    assert await store.usage_pruned_before() == T0 + DAY
+    assert await store.get_usage("c") is not None
+
+
+async def test_pruning_with_a_batch_below_one_is_refused(store: Store) -> None:
+    with pytest.raises(ValueError, match="limit"):
+        await store.prune_usage(T0, limit=0)
 
 
 # --- export ------------------------------------------------------------------

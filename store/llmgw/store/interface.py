@@ -136,7 +136,10 @@ class Store(Protocol):
 
         A row whose ``request_id`` is already stored is skipped, so a batch
         retried after an error it did not see is never counted twice. New
-        rows are added into the hourly roll-ups in the same transaction.
+        rows are added into the hourly, daily and monthly roll-ups in the same
+        transaction. A row older than the pruning horizon
+        (:meth:`usage_pruned_before`) is skipped too: it may have been stored
+        and pruned already, so its sums may be in the roll-ups.
         When another process holds the write lock, fails with
         :class:`StoreError` within about ten seconds rather than waiting.
         """
@@ -152,18 +155,35 @@ class Store(Protocol):
         """Summed ``cost_micros`` of usage with ``created_at >= since``, exactly.
 
         Keys are counter names ``key:<id>``, ``project:<id>``, ``team:<id>``,
-        ``org:<id>``; every non-empty id seen in that usage is present.
+        ``org:<id>``; every non-empty id seen in that usage is present. Read
+        from the roll-ups (raw rows only for the part of the hour of
+        ``since`` after it; when those were pruned, that hour counts whole).
         """
         ...
 
     async def usage_summary(
         self, by: SummaryBy, since: float, until: float | None = None
     ) -> list[UsageSummary]:
-        """Usage per group from the hourly roll-ups, most expensive first.
+        """Usage per group with ``since <= created_at < until``, most expensive first.
 
-        Covers the whole hours overlapping ``[since, until)`` (``since`` is
-        floored to its hour; a partial last hour counts whole).
+        Read from the monthly, daily and hourly roll-ups; raw rows only for the parts
+        of an hour at either end. Where those raw rows were pruned, that hour
+        counts whole.
         """
+        ...
+
+    async def prune_usage(self, before: float, *, limit: int = 5000) -> int:
+        """Delete at most ``limit`` raw rows older than ``before`` (floored to
+        its hour), oldest first, in one short transaction; the number
+        deleted. The roll-ups keep their sums. Moves the pruning horizon to
+        ``before`` (never back) when a row is deleted. ``ValueError`` when
+        ``limit`` < 1.
+        """
+        ...
+
+    async def usage_pruned_before(self) -> float | None:
+        """The pruning horizon: raw rows older than it may be gone (``None``:
+        nothing was ever pruned)."""
         ...
 
     async def export_usage(

@@ -201,7 +201,8 @@ class UsageRow:
 class UsageSummary:
     """Usage summed over one group (a key, project, team, org or model id).
 
-    ``requests`` counts every request, failed ones too.
+    ``requests`` counts every request, failed ones too; ``errors`` those
+    with a status of 400 or more.
     """
 
     group: str
@@ -210,6 +211,7 @@ class UsageSummary:
     cached_tokens: int = 0
     completion_tokens: int = 0
     cost_micros: int = 0
+    errors: int = 0
 
 
 def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:

@@ -14,9 +14,14 @@ elsewhere fails within about ``LOCKED_DEADLINE_S + BUSY_TIMEOUT_S`` seconds
 Reads are not blocked by another writer (WAL).
 
 Usage roll-ups: :meth:`SqliteStore.insert_usage` adds each new row into
-``usage_hourly`` (per hour, key, model and tree place) in the same
-transaction; :meth:`~SqliteStore.spend_since_by_scope` and
-:meth:`~SqliteStore.usage_summary` read the roll-ups.
+``usage_hourly``, ``usage_daily`` and ``usage_monthly`` (per hour, UTC day
+or calendar month, key, model and tree place) in the same transaction. :meth:`~SqliteStore.prune_usage`
+deletes raw rows past the retention in short batches and leaves the
+roll-ups alone. :meth:`~SqliteStore.spend_since_by_scope` and
+:meth:`~SqliteStore.usage_summary` sum a range from whole months,
+days and hours (the longest that fit) and, for the parts of an
+hour at either end, the raw rows; where those raw rows were pruned, that
+hour counts whole (``docs/up.md``, Usage kept).
 
 Cancellation: a call that is running in its thread is waited for (trio's
 ``abandon_on_cancel=False``), so a write is never left half done.
@@ -25,15 +30,17 @@ Cancellation: a call that is running in its thread is waited for (trio's
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
+import math
 import os
 import random
 import re
 import secrets
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from functools import partial
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -89,6 +96,10 @@ LOCKED_MAX_DELAY_S: Final = 1.0
 
 HOUR_S: Final = 3600
 """The roll-up period, in seconds."""
+DAY_S: Final = 86_400
+"""The long roll-up period (a UTC day), in seconds."""
+ERROR_STATUS: Final = 400
+"""A usage row with this status or more counts as an error in the roll-ups."""
 
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -300,9 +311,11 @@ class SqliteStore:
 
         A row whose ``request_id`` is already stored (or repeats earlier in
         the batch) is skipped, so a retried batch is never counted twice.
-        Each new row is also added into the hourly roll-up (hour, key, model
-        = ``served_model`` or else ``model``, and the row's tree ids) in the
-        same transaction.
+        Each new row is also added into the hourly, daily and monthly
+        roll-ups (hour, UTC day or calendar month, key, model = ``served_model`` or else ``model``, and the
+        row's tree ids) in the same transaction. A row older than the pruning
+        horizon is skipped too (logged): it may have been stored and pruned
+        already, and its sums are then in the roll-ups.
         """
         if not rows:
             return
@@ -329,20 +342,25 @@ class SqliteStore:
 
         Counters are named ``key:<id>``, ``project:<id>``, ``team:<id>`` and
         ``org:<id>``; every id seen in such usage is there (with 0 when it
-        cost nothing), empty ids are not. Exact: whole hours come from the
-        roll-ups, the part of an hour after ``since`` from the raw rows.
+        cost nothing), empty ids are not. Exact while the raw rows of the
+        hour of ``since`` are kept: whole months, days and hours come from
+        the roll-ups, the part of an hour after ``since`` from the raw rows (when
+        those were pruned, that hour counts whole).
         """
         return await self._run(partial(_spend_since_by_scope, since=since))
 
     async def usage_summary(
         self, by: SummaryBy, since: float, until: float | None = None
     ) -> list[UsageSummary]:
-        """Usage per key, project, team, org or model id, from the hourly roll-ups.
+        """Usage per key, project, team, org or model id, from the roll-ups.
 
-        Covers every whole hour that overlaps ``[since, until)``: ``since``
-        is floored to its hour and a partial last hour counts whole. Usage
-        without a place in the tree is grouped under ``""``. Groups come
-        most expensive first, then by group.
+        Exactly the rows with ``since <= created_at < until`` (``until``
+        ``None`` = no end): whole months, days and hours from the monthly,
+        daily and hourly roll-ups (the longest that fit), and the part of an
+        hour at either end from the raw rows. Where the raw rows of such an
+        hour were pruned, that hour counts whole. One read transaction, so
+        the pieces are of one moment. Usage without a place in the tree is grouped under
+        ``""``. Groups come most expensive first, then by group.
 
         Raises:
             ValueError: ``by`` is not one of the five.
@@ -351,6 +369,31 @@ class SqliteStore:
         if column is None:
             raise ValueError(f"by must be one of {sorted(_SUMMARY_COLUMNS)}, not {by!r}")
         return await self._run(partial(_usage_summary, column=column, since=since, until=until))
+
+    async def prune_usage(self, before: float, *, limit: int = 5000) -> int:
+        """Delete at most ``limit`` raw usage rows older than ``before``, oldest first.
+
+        ``before`` (UTC epoch s) is floored to its hour. One short write
+        transaction (call again until it returns less than ``limit``); the
+        roll-ups keep every pruned row's sums. The pruning horizon only
+        moves forward: rows older than it are refused by
+        :meth:`insert_usage` from then on. Nothing is written when no row is
+        that old.
+
+        Returns:
+            How many rows were deleted.
+
+        Raises:
+            ValueError: ``limit`` is less than 1.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be 1 or more, not {limit}")
+        return await self._run(partial(_prune_usage, before=float(hour_of(before)), limit=limit))
+
+    async def usage_pruned_before(self) -> float | None:
+        """The pruning horizon (raw rows older than it may be gone), or ``None``
+        when no raw row was ever pruned."""
+        return await self._run(_usage_pruned_before)
 
     async def export_usage(
         self,
@@ -791,6 +834,25 @@ def hour_of(at: float) -> int:
     return int(at // HOUR_S) * HOUR_S
 
 
+def day_of(at: float) -> int:
+    """``at`` (UTC epoch s) floored to its UTC day, as the daily roll-ups key it."""
+    return int(at // DAY_S) * DAY_S
+
+
+def month_of(at: float) -> int:
+    """``at`` (UTC epoch s) floored to its UTC calendar month, as the monthly
+    roll-ups key it."""
+    day = dt.datetime.fromtimestamp(day_of(at), dt.UTC)
+    return int(day.replace(day=1).timestamp())
+
+
+def _next_month(month: int) -> int:
+    start = dt.datetime.fromtimestamp(month, dt.UTC)
+    if start.month == 12:
+        return int(start.replace(year=start.year + 1, month=1).timestamp())
+    return int(start.replace(month=start.month + 1).timestamp())
+
+
 _INSERT_USAGE = (
     "INSERT INTO usage (request_id, created_at, key_id, model, status, prompt_tokens,"
     " cached_tokens, completion_tokens, duration_ms, ttft_ms, replica_id, stream, endpoint,"
@@ -800,25 +862,49 @@ _INSERT_USAGE = (
     " ON CONFLICT (request_id) DO NOTHING"
 )
 
-_ADD_HOURLY = (
-    "INSERT INTO usage_hourly (hour, key_id, model, project_id, team_id, org_id, requests,"
-    " prompt_tokens, cached_tokens, completion_tokens, cost_micros)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-    " ON CONFLICT (hour, key_id, model, project_id, team_id, org_id) DO UPDATE SET"
-    " requests = requests + excluded.requests,"
-    " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
-    " cached_tokens = cached_tokens + excluded.cached_tokens,"
-    " completion_tokens = completion_tokens + excluded.completion_tokens,"
-    " cost_micros = cost_micros + excluded.cost_micros"
-)
+
+def _add_rollup(table: str, period: str) -> str:
+    return (
+        f"INSERT INTO {table} ({period}, key_id, model, project_id, team_id, org_id, requests,"
+        " prompt_tokens, cached_tokens, completion_tokens, cost_micros, errors)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        f" ON CONFLICT ({period}, key_id, model, project_id, team_id, org_id) DO UPDATE SET"
+        " requests = requests + excluded.requests,"
+        " prompt_tokens = prompt_tokens + excluded.prompt_tokens,"
+        " cached_tokens = cached_tokens + excluded.cached_tokens,"
+        " completion_tokens = completion_tokens + excluded.completion_tokens,"
+        " cost_micros = cost_micros + excluded.cost_micros,"
+        " errors = errors + excluded.errors"
+    )
+
+
+_ADD_HOURLY = _add_rollup("usage_hourly", "hour")
+_ADD_DAILY = _add_rollup("usage_daily", "day")
+_ADD_MONTHLY = _add_rollup("usage_monthly", "month")
+
+#: A group of the roll-ups without its period: key, model, project, team, org.
+_Group = tuple[str, str, str, str, str]
+
+
+def _usage_pruned_before(conn: sqlite3.Connection) -> float | None:
+    row = conn.execute("SELECT pruned_before FROM usage_retention WHERE id = 1").fetchone()
+    return None if row is None else float(row[0])
 
 
 def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
     # One statement per row, to learn which rows were new (rowcount 1): only
     # those go into the roll-ups, which are then added once per group.
-    hourly: dict[tuple[int, str, str, str, str, str], list[int]] = {}
+    hourly: dict[tuple[int, _Group], list[int]] = {}
+    daily: dict[tuple[int, _Group], list[int]] = {}
+    monthly: dict[tuple[int, _Group], list[int]] = {}
+    months: dict[int, int] = {}  # day → its month, computed once a batch
+    too_old = 0
     with write_transaction(conn):
+        horizon = _usage_pruned_before(conn)
         for r in rows:
+            if horizon is not None and r.created_at < horizon:
+                too_old += 1
+                continue
             cursor = conn.execute(
                 _INSERT_USAGE,
                 (
@@ -847,21 +933,58 @@ def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
             )
             if cursor.rowcount != 1:
                 continue
-            group = (
-                hour_of(r.created_at),
-                r.key_id,
-                r.served_model or r.model,
-                r.project_id,
-                r.team_id,
-                r.org_id,
+            group = (r.key_id, r.served_model or r.model, r.project_id, r.team_id, r.org_id)
+            adds = (
+                1,
+                r.prompt_tokens,
+                r.cached_tokens,
+                r.completion_tokens,
+                r.cost_micros,
+                int(r.status >= ERROR_STATUS),
             )
-            sums = hourly.setdefault(group, [0, 0, 0, 0, 0])
-            sums[0] += 1
-            sums[1] += r.prompt_tokens
-            sums[2] += r.cached_tokens
-            sums[3] += r.completion_tokens
-            sums[4] += r.cost_micros
-        conn.executemany(_ADD_HOURLY, [(*group, *sums) for group, sums in hourly.items()])
+            day = day_of(r.created_at)
+            month = months.get(day)
+            if month is None:
+                month = months[day] = month_of(day)
+            for sums in (
+                hourly.setdefault((hour_of(r.created_at), group), [0] * 6),
+                daily.setdefault((day, group), [0] * 6),
+                monthly.setdefault((month, group), [0] * 6),
+            ):
+                for i, add in enumerate(adds):
+                    sums[i] += add
+        conn.executemany(_ADD_HOURLY, [(at, *g, *sums) for (at, g), sums in hourly.items()])
+        conn.executemany(_ADD_DAILY, [(at, *g, *sums) for (at, g), sums in daily.items()])
+        conn.executemany(_ADD_MONTHLY, [(at, *g, *sums) for (at, g), sums in monthly.items()])
+    if too_old:
+        logger.warning(
+            "%d usage row(s) older than the pruning horizon %s not written: they may have "
+            "been stored and pruned already, and their sums are in the roll-ups",
+            too_old,
+            horizon,
+        )
+
+
+def _prune_usage(conn: sqlite3.Connection, *, before: float, limit: int) -> int:
+    # Look first without the write lock: most passes find nothing to delete.
+    if (
+        conn.execute("SELECT 1 FROM usage WHERE created_at < ? LIMIT 1", (before,)).fetchone()
+        is None
+    ):
+        return 0
+    with write_transaction(conn):
+        conn.execute(
+            "INSERT INTO usage_retention (id, pruned_before) VALUES (1, ?)"
+            " ON CONFLICT (id) DO UPDATE SET"
+            " pruned_before = max(pruned_before, excluded.pruned_before)",
+            (before,),
+        )
+        cursor = conn.execute(
+            "DELETE FROM usage WHERE rowid IN (SELECT rowid FROM usage WHERE created_at < ?"
+            " ORDER BY created_at LIMIT ?)",
+            (before, limit),
+        )
+        return cursor.rowcount
 
 
 def _list_usage(conn: sqlite3.Connection, *, last: int, key_id: str | None) -> list[UsageRow]:
@@ -883,30 +1006,164 @@ def _get_usage(conn: sqlite3.Connection, *, request_id: str) -> UsageRow | None:
     return _usage_from_row(rows[0]) if rows else None
 
 
+#: Where each group column of a sum is read, in the raw rows.
+_RAW_COLUMNS: Final[dict[str, str]] = {
+    "key_id": "key_id",
+    "project_id": "project_id",
+    "team_id": "team_id",
+    "org_id": "org_id",
+    # The roll-ups key a row by the model that answered.
+    "model": "CASE WHEN served_model != '' THEN served_model ELSE model END",
+}
+
+#: Where each roll-up level is kept: table and period column.
+_ROLLUP_TABLES: Final[dict[str, tuple[str, str]]] = {
+    "hour": ("usage_hourly", "hour"),
+    "day": ("usage_daily", "day"),
+    "month": ("usage_monthly", "month"),
+}
+
+#: (requests, prompt, cached, completion, cost_micros, errors) of the rows of
+#: one group.
+_Sums = list[int]
+
+
+#: The roll-up levels, longest first: (source, floor of a time to its
+#: period's start, the start of the next period).
+_LEVELS: Final = (
+    ("month", month_of, _next_month),
+    ("day", day_of, lambda day: day + DAY_S),
+    ("hour", hour_of, lambda hour: hour + HOUR_S),
+)
+
+
+def _whole(lo: float, hi: float, levels: int = 0) -> list[tuple[str, float, float | None]]:
+    """Pieces of roll-ups covering ``[lo, hi)`` (hour boundaries; ``hi`` may be
+    infinite): the longest periods that fit, shorter ones at either end."""
+    if lo >= hi:
+        return []
+    source, floor, step = _LEVELS[levels]
+    first = floor(lo)
+    if first != lo:
+        first = step(first)
+    last = hi if math.isinf(hi) else floor(hi)
+    if source == "hour" or first >= last:
+        if source == "hour":
+            return [(source, lo, None if math.isinf(hi) else hi)]
+        return _whole(lo, hi, levels + 1)
+    return [
+        *_whole(lo, first, levels + 1),
+        (source, float(first), None if math.isinf(last) else float(last)),
+        *_whole(last, hi, levels + 1),
+    ]
+
+
+def _pieces(
+    since: float, until: float | None, horizon: float | None
+) -> list[tuple[str, float, float | None]]:
+    """Split ``[since, until)`` into the reads that sum it exactly.
+
+    Each piece is ``(source, lo, hi)``: ``"raw"`` rows with ``lo <=
+    created_at < hi``, whole ``"hour"``, ``"day"`` or ``"month"`` roll-ups
+    with ``lo <= hour (day, month) < hi``; ``hi`` ``None`` = no end. The part
+    of an hour at either end is read raw, unless raw rows there may be
+    pruned (the hour starts before ``horizon``): then that hour is read whole.
+    """
+    end = math.inf if until is None else until
+    if since >= end:
+        return []
+    pieces: list[tuple[str, float, float | None]] = []
+    lo = float(hour_of(since))
+    if lo != since:
+        if horizon is not None and since < horizon:
+            pass  # the raw rows of this hour may be gone: count it whole
+        else:
+            pieces.append(("raw", since, min(lo + HOUR_S, end)))
+            lo = lo + HOUR_S
+            if lo >= end:
+                return pieces
+    hi = end
+    tail: list[tuple[str, float, float | None]] = []
+    if until is not None:
+        last = float(hour_of(until))
+        if last != until and last >= lo:
+            if horizon is not None and last < horizon:
+                hi = last + HOUR_S  # count the last hour whole
+            else:
+                tail.append(("raw", last, until))
+                hi = last
+    return [*pieces, *_whole(lo, hi), *tail]
+
+
+def _sum_usage(
+    conn: sqlite3.Connection, *, columns: Sequence[str], since: float, until: float | None
+) -> dict[tuple[str, ...], _Sums]:
+    """Usage with ``since <= created_at < until`` summed per group of ``columns``
+    (names of :data:`_RAW_COLUMNS`); see :func:`_pieces`."""
+    with _read_snapshot(conn):
+        return _sum_pieces(conn, columns=columns, since=since, until=until)
+
+
+@contextlib.contextmanager
+def _read_snapshot(conn: sqlite3.Connection) -> Iterator[None]:
+    """Run several reads in one (deferred) transaction: in WAL mode they all
+    see the database as it was at the first, whatever other connections
+    write or prune meanwhile."""
+    if conn.in_transaction:
+        yield
+        return
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        if conn.in_transaction:
+            conn.execute("COMMIT")
+
+
+def _sum_pieces(
+    conn: sqlite3.Connection, *, columns: Sequence[str], since: float, until: float | None
+) -> dict[tuple[str, ...], _Sums]:
+    sums: dict[tuple[str, ...], _Sums] = {}
+    width = len(columns)
+    for source, lo, hi in _pieces(since, until, _usage_pruned_before(conn)):
+        if source == "raw":
+            select = ", ".join(_RAW_COLUMNS[c] for c in columns)
+            sql = (
+                f"SELECT {select}, count(*), sum(prompt_tokens), sum(cached_tokens),"
+                f" sum(completion_tokens), sum(cost_micros), sum(status >= {ERROR_STATUS})"
+                " FROM usage WHERE created_at >= ? AND created_at < ?"
+            )
+        else:
+            table, period = _ROLLUP_TABLES[source]
+            select = ", ".join(columns)
+            sql = (
+                f"SELECT {select}, sum(requests), sum(prompt_tokens), sum(cached_tokens),"
+                " sum(completion_tokens), sum(cost_micros), sum(errors)"
+                f" FROM {table} WHERE {period} >= ?"
+            )
+            if hi is not None:
+                sql += f" AND {period} < ?"
+        params = (lo,) if hi is None else (lo, hi)
+        sql += " GROUP BY " + ", ".join(str(i + 1) for i in range(width))
+        for row in conn.execute(sql, params):
+            group = tuple(row[:width])
+            found = sums.get(group)
+            if found is None:
+                sums[group] = [int(v) for v in row[width:]]
+            else:
+                for i, v in enumerate(row[width:]):
+                    found[i] += int(v)
+    return sums
+
+
 def _spend_since_by_scope(conn: sqlite3.Connection, *, since: float) -> dict[str, int]:
-    first_whole_hour = since if since % HOUR_S == 0 else hour_of(since) + HOUR_S
-    groups = _rows(
-        conn,
-        "SELECT key_id, project_id, team_id, org_id, sum(cost_micros) AS cost FROM usage"
-        " WHERE created_at >= ? AND created_at < ? GROUP BY key_id, project_id, team_id, org_id",
-        (since, first_whole_hour),
-    ) + _rows(
-        conn,
-        "SELECT key_id, project_id, team_id, org_id, sum(cost_micros) AS cost FROM usage_hourly"
-        " WHERE hour >= ? GROUP BY key_id, project_id, team_id, org_id",
-        (first_whole_hour,),
-    )
+    columns = ("key_id", "project_id", "team_id", "org_id")
     spend: dict[str, int] = {}
-    for row in groups:
-        for scope, column in (
-            ("key", "key_id"),
-            ("project", "project_id"),
-            ("team", "team_id"),
-            ("org", "org_id"),
-        ):
-            if row[column]:
-                counter = f"{scope}:{row[column]}"
-                spend[counter] = spend.get(counter, 0) + int(row["cost"])
+    for group, sums in _sum_usage(conn, columns=columns, since=since, until=None).items():
+        for scope, id in zip(("key", "project", "team", "org"), group, strict=True):
+            if id:
+                counter = f"{scope}:{id}"
+                spend[counter] = spend.get(counter, 0) + sums[4]
     return spend
 
 
@@ -922,28 +1179,20 @@ _SUMMARY_COLUMNS: Final[dict[str, str]] = {
 def _usage_summary(
     conn: sqlite3.Connection, *, column: str, since: float, until: float | None
 ) -> list[UsageSummary]:
-    # ``column`` comes from _SUMMARY_COLUMNS, never from user input.
-    sql = (
-        f"SELECT {column} AS grp, sum(requests) AS requests, sum(prompt_tokens) AS prompt,"
-        " sum(cached_tokens) AS cached, sum(completion_tokens) AS completion,"
-        " sum(cost_micros) AS cost FROM usage_hourly WHERE hour >= ?"
-    )
-    params: list[object] = [hour_of(since)]
-    if until is not None:
-        sql += " AND hour < ?"
-        params.append(until)
-    sql += " GROUP BY grp ORDER BY cost DESC, grp"
-    return [
+    summaries = [
         UsageSummary(
-            group=row["grp"],
-            requests=row["requests"],
-            prompt_tokens=row["prompt"],
-            cached_tokens=row["cached"],
-            completion_tokens=row["completion"],
-            cost_micros=row["cost"],
+            group=group[0],
+            requests=s[0],
+            prompt_tokens=s[1],
+            cached_tokens=s[2],
+            completion_tokens=s[3],
+            cost_micros=s[4],
+            errors=s[5],
         )
-        for row in _rows(conn, sql, params)
+        for group, s in _sum_usage(conn, columns=(column,), since=since, until=until).items()
     ]
+    summaries.sort(key=lambda u: (-u.cost_micros, u.group))
+    return summaries
 
 
 def _export_usage(
