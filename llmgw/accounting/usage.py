@@ -28,6 +28,7 @@ from typing import Final, NoReturn
 import trio
 
 from llmgw import metrics
+from llmgw.errors import describe
 from llmgw.store import Store, StoreError, UsageRow
 
 from .journal import UsageJournal, read_records, read_segment
@@ -172,11 +173,13 @@ async def serve_usage_writer(
                 if not failing and writer.journal is not None:
                     log.error(
                         "usage rows not written (%s); %d bytes kept in the journal, retrying",
-                        exc,
+                        describe(exc),
                         writer.journal.pending_bytes,
                     )
                 elif not failing:
-                    log.error("usage rows not written (%s); %d kept, retrying", exc, len(writer))
+                    log.error(
+                        "usage rows not written (%s); %d kept, retrying", describe(exc), len(writer)
+                    )
                 failing = True
                 metrics.USAGE_WRITE_FAILURES.inc()
             else:
@@ -189,6 +192,6 @@ async def serve_usage_writer(
                 await writer.flush(store)
             except (StoreError, OSError) as exc:
                 if writer.journal is not None:
-                    log.error("usage rows left in the journal at shutdown (%s)", exc)
+                    log.error("usage rows left in the journal at shutdown (%s)", describe(exc))
                 else:
-                    log.error("usage rows lost at shutdown: %d (%s)", len(writer), exc)
+                    log.error("usage rows lost at shutdown: %d (%s)", len(writer), describe(exc))

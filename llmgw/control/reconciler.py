@@ -62,7 +62,7 @@ import trio
 
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
-from llmgw.errors import LinkError
+from llmgw.errors import LinkError, describe
 from llmgw.store import ModelRecord, Profile, StoreError
 
 from .cluster import (
@@ -558,7 +558,7 @@ async def _start(cluster: Cluster, shard: ShardInfo, model: ModelRecord, profile
         with trio.fail_after(SEND_TIMEOUT_S):
             await node.send(message)
     except (LinkError, trio.TooSlowError) as exc:
-        log.warning("could not send StartShard for %s: %r", shard.shard_id, exc)
+        log.warning("could not send StartShard for %s: %s", shard.shard_id, describe(exc))
     return True
 
 
@@ -638,7 +638,7 @@ async def _send_stop(cluster: Cluster, node_id: str, shard_id: str) -> None:
         with trio.fail_after(SEND_TIMEOUT_S):
             await node.send(protocol.StopShard(correlation_id=uuid.uuid4().hex, shard_id=shard_id))
     except (LinkError, trio.TooSlowError) as exc:
-        log.warning("could not send StopShard for %s to %s: %r", shard_id, node_id, exc)
+        log.warning("could not send StopShard for %s to %s: %s", shard_id, node_id, describe(exc))
 
 
 def _next_wake_s(cluster: Cluster) -> float:
