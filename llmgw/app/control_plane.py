@@ -154,7 +154,14 @@ async def serve_control_plane(
         accountant=accountant,
         resolver=resolver,
     )
-    keys_service = KeysService(store, authenticator, resolver, auth, accountant)
+    keys_service = KeysService(
+        store,
+        authenticator,
+        resolver,
+        auth,
+        accountant,
+        bands=lambda: [band.name for band in cluster.settings.router.admission.bands],
+    )
     live = LiveSettings(store, cluster)
     admin = make_admin_app(
         store, cluster, authenticator, keys_service, live=live, data_dir=data_dir

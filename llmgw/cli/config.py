@@ -152,7 +152,13 @@ def config_edit(note: str, data_dir: Path) -> None:
 
 
 @ctl_config.command("history")
-@click.option("--last", type=click.IntRange(1, 1000), default=20, show_default=True)
+@click.option(
+    "--last",
+    type=click.IntRange(1, 1000),
+    default=20,
+    show_default=True,
+    help="How many versions to show, newest first.",
+)
 @data_dir_option()
 @json_option()
 def config_history(last: int, data_dir: Path, as_json: bool) -> None:

@@ -417,7 +417,13 @@ def model_context(
     show_default=True,
     help="Context tokens to hold (all slots).",
 )
-@click.option("--slots", type=click.IntRange(1), default=1, show_default=True)
+@click.option(
+    "--slots",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Parallel sequences one replica serves (they share --context).",
+)
 @click.option("--engine", default=None, help="GPU engine (default by format).")
 @data_dir_option()
 @json_option()

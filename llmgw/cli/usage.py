@@ -76,7 +76,12 @@ def ctl_usage(
 
 @ctl_usage.command("export")
 @click.option(
-    "--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="jsonl", show_default=True
+    "--format",
+    "fmt",
+    type=click.Choice(["csv", "jsonl"]),
+    default="jsonl",
+    show_default=True,
+    help="CSV with a header line, or one JSON object a line.",
 )
 @click.option("--since", default="30d", show_default=True, help="24h, 30d, 2026-11-01 …")
 @click.option("--until", default=None, help="Same forms as --since.")

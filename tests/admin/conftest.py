@@ -51,7 +51,13 @@ async def admin(tmp_path: Path) -> AsyncIterator[Admin]:
         cluster = Cluster()
         cluster.set_secret(b"s" * 32)
         authenticator = KeyAuthenticator(store)
-        keys = KeysService(store, authenticator, ScopeResolver(store), AuthSettings())
+        keys = KeysService(
+            store,
+            authenticator,
+            ScopeResolver(store),
+            AuthSettings(),
+            bands=lambda: [band.name for band in cluster.settings.router.admission.bands],
+        )
         secret, record = new_key("ops", is_admin=True)
         await store.insert_key(record)
         live = LiveSettings(store, cluster)

@@ -48,6 +48,45 @@ def test_an_error_of_the_tree_is_one_line_on_stderr_and_exit_1(exc: errors.Llmgw
     assert result.stderr == f"Error: {exc}\n"
 
 
+def test_an_error_without_text_still_says_what_it_is() -> None:
+    class Silent(errors.UpstreamError):
+        """The node did not answer in time."""
+
+    @click.group(cls=ReportingGroup)
+    def root() -> None:
+        pass
+
+    @root.command()
+    def fail() -> None:
+        raise Silent()
+
+    result = CliRunner().invoke(root, ["fail"])
+    assert result.exit_code == 1
+    assert result.stderr == "Error: Silent (the node did not answer in time)\n"
+
+
+def _commands(command: click.Command, path: tuple[str, ...]) -> list[tuple[str, click.Command]]:
+    found = [(" ".join(path), command)]
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            found += _commands(sub, (*path, name))
+    return found
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    """``llmgw … --help`` explains every option (``ctl model plan --slots`` did not)."""
+    missing = [
+        f"{path} {'/'.join(param.opts)}"
+        for path, command in _commands(cli, ("llmgw",))
+        for param in command.params
+        if isinstance(param, click.Option) and not param.hidden and not (param.help or "").strip()
+    ]
+    assert missing == []
+    # The walk reaches the nested groups, bench's included when installed.
+    paths = [path for path, _ in _commands(cli, ("llmgw",))]
+    assert "llmgw ctl model plan" in paths
+
+
 def test_other_errors_are_not_turned_into_messages() -> None:
     @click.group(cls=ReportingGroup)
     def root() -> None:
