@@ -354,7 +354,9 @@ async def _reconcile_slot(
         await _start_new(model, slot, profile, fingerprint, cluster, port_range, now, waiting)
     elif may_roll:
         started = int(
-            await _start_new(model, slot, profile, fingerprint, cluster, port_range, now, waiting)
+            await _start_new(
+                model, slot, profile, fingerprint, cluster, port_range, now, waiting, replacing=old
+            )
         )
     else:
         waiting[replica_id_for(model.name, slot, _next_generation(cluster, model.name, slot))] = (
@@ -455,11 +457,14 @@ async def _start_new(
     port_range: PortRange,
     now: float,
     waiting: dict[str, str],
+    *,
+    replacing: ShardInfo | None = None,
 ) -> bool:
-    """Place and start a new replica for ``slot``; False when it fits nowhere."""
+    """Place and start a new replica for ``slot`` (the successor of
+    ``replacing``, when given); False when it fits nowhere."""
     generation = _next_generation(cluster, model.name, slot)
     replica_id = replica_id_for(model.name, slot, generation)
-    choice = place(model, profile, cluster)
+    choice = place(model, profile, cluster, replacing=replacing)
     if choice is None:
         waiting[replica_id] = _no_room(model, profile, cluster)
         return False
@@ -481,7 +486,7 @@ async def _start_new(
         fingerprint=fingerprint,
         gpu_indices=choice.gpu_indices,
         memory_gb=profile.min_memory_gb,
-        cpu_cores=profile.cpu_cores,
+        cpu_cores=choice.cpu_cores,
         gpu_memory_mb=gpu_need_mb(model, profile, cluster),
         started_at=now,
         progress_at=now,
