@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import types
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from llmgw import errors
 from llmgw.cli import bench as bench_module
 from llmgw.cli.errors import ReportingGroup, first_leaf
 from llmgw.cli.main import cli
+from llmgw.cli.options import local_time, local_zone, show_times
 
 
 @pytest.mark.parametrize(
@@ -163,3 +165,22 @@ def test_bench_does_not_hide_a_broken_bench_member(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr("importlib.import_module", broken)
     with pytest.raises(ModuleNotFoundError, match="numpy"):
         bench_module._bench_group()
+
+
+def test_times_are_local_dates_with_their_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TZ", "Europe/Paris")
+    time.tzset()
+    try:
+        at = 1796132320.346  # the figure `ctl request` showed as is
+        assert local_time(at) == "2026-12-01 14:38:40"
+        assert local_time(at, zone=True) == "2026-12-01 14:38:40 CET"
+        assert local_time(None) == "-"
+        assert show_times({"created_at": at, "status": 200, "revoked_at": None}) == {
+            "created_at": "2026-12-01 14:38:40 CET",
+            "status": 200,
+            "revoked_at": "-",
+        }
+        assert local_zone() == "CET"
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
