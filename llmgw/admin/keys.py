@@ -278,6 +278,13 @@ class KeysService:
                 param="models",
             )
 
+    async def check_key(self, key_id: str) -> None:
+        """Raises NotFound (listing the keys there are, revoked ones too)
+        when there is no key ``key_id``."""
+        if await self._store.get_key(key_id) is None:
+            ids = [k.id for k in await self._store.list_keys()]
+            raise NoSuch(f"No key {key_id!r}; {known_names('keys', ids, hint='llmgw keys list')}.")
+
     async def _no_key(self, key_id: str) -> NoSuch:
         ids = [k.id for k in await self._store.list_keys() if k.revoked_at is None]
         return NoSuch(

@@ -304,6 +304,10 @@ async def test_an_unknown_scope_level_or_key_is_refused_naming_those_there_are(
     assert body["error"]["message"] == (
         "No scope 'planet'; the scopes are: org, team, project, key."
     )
+    status, body = await admin.call("GET", "/api/v1/usage?key_id=nokey")
+    assert status == 404
+    assert body["error"]["message"] == f"No key 'nokey'; the keys are: {admin.key_id}."
+    assert (await admin.call("GET", f"/api/v1/usage?key_id={admin.key_id}"))[0] == 200
     for method, path in (
         ("PUT", "/api/v1/limits/key/nokey"),
         ("POST", "/api/v1/keys/nokey/rotate"),
