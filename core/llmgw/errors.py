@@ -38,9 +38,15 @@ The tree::
 ``ProtocolError``, raised by both ends) live here; the leaves live beside the
 code that raises them. The client API's own ``gateway.errors.ApiError``, an
 error already in the client's shape, derives from ``LlmgwError`` itself.
+
+:func:`describe` is the text of any exception for a log line or a message:
+never empty (an exception raised without text, such as a timeout, reads as
+its class and what that class means).
 """
 
 from __future__ import annotations
+
+import re
 
 __all__ = [
     "AgentError",
@@ -54,7 +60,47 @@ __all__ = [
     "StartupError",
     "StoreError",
     "UpstreamError",
+    "describe",
 ]
+
+#: The base classes whose docstrings say nothing about one failure.
+_GENERIC_BASES = (BaseException, Exception, OSError)
+#: reStructuredText roles in a docstring (``:func:`fail_after```).
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def describe(exc: BaseException) -> str:
+    """The text of ``exc`` for a log line or an error message, never empty.
+
+    ``str(exc)`` when it says something; otherwise its class name and what
+    it means: the description of its cause (``raise X from cause``) when
+    there is one, else the first paragraph of the nearest docstring on its
+    class's ancestry (``TooSlowError (raised by fail_after … if the timeout
+    expires)``), else ``(no details given)``.
+    """
+    text = str(exc).strip()
+    if text:
+        return text
+    name = type(exc).__name__
+    cause = exc.__cause__
+    if cause is None and not exc.__suppress_context__:
+        cause = exc.__context__
+    if cause is not None and cause is not exc:
+        return f"{name}: {describe(cause)}"
+    return f"{name} ({_meaning(type(exc))})"
+
+
+def _meaning(cls: type[BaseException]) -> str:
+    for klass in cls.__mro__:
+        if klass in _GENERIC_BASES or klass is object:
+            break
+        doc = klass.__dict__.get("__doc__")
+        if isinstance(doc, str) and doc.strip():
+            paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+            line = _ROLE.sub(r"\1", paragraph).rstrip(".")
+            if line:
+                return line[0].lower() + line[1:]
+    return "no details given"
 
 
 class LlmgwError(Exception):

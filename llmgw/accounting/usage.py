@@ -28,6 +28,7 @@ from typing import Final, NoReturn
 import trio
 
 from llmgw import metrics
+from llmgw.errors import describe
 from llmgw.store import Store, StoreError, UsageRow
 
 from .journal import UsageJournal, read_records, read_segment
@@ -177,11 +178,13 @@ async def serve_usage_writer(
                 if not failing and writer.journal is not None:
                     log.error(
                         "usage rows not written (%s); %d bytes kept in the journal, retrying",
-                        exc,
+                        describe(exc),
                         writer.journal.pending_bytes,
                     )
                 elif not failing:
-                    log.error("usage rows not written (%s); %d kept, retrying", exc, len(writer))
+                    log.error(
+                        "usage rows not written (%s); %d kept, retrying", describe(exc), len(writer)
+                    )
                 failing = True
                 metrics.USAGE_WRITE_FAILURES.inc()
             else:
@@ -197,7 +200,7 @@ async def serve_usage_writer(
                     await writer.flush(store)
                     reason = ""
                 except (StoreError, OSError) as exc:
-                    reason = str(exc) or type(exc).__name__
+                    reason = describe(exc)
             if reason and writer.journal is not None:
                 log.error("usage rows left in the journal at shutdown (%s)", reason)
             elif reason:

@@ -144,5 +144,6 @@ class AdminClient:
 
     def _unreachable(self, exc: httpx.HTTPError) -> AdminUnreachable:
         return AdminUnreachable(
-            f"cannot reach the admin API at {self.base_url} ({exc}); is llmgw running?"
+            f"cannot reach the admin API at {self.base_url} ({errors.describe(exc)}); "
+            "is llmgw running?"
         )

@@ -16,6 +16,11 @@ second.
   "expected_version"?, "note"?}``: set one dotted key (400 on an unknown
   key path or a bad value).
 
+A change that names a ``router.admission.default_band`` that is not one of
+``router.admission.bands`` is refused (400 ``invalid_settings``, naming the
+bands). Bands replaced without the default band are taken: the keys of a
+band no longer defined fall back to the band of highest priority.
+
 Both changes answer ``{"version", "changed", "document"}``, plus
 ``"restart_needed": [dotted keys]`` when a changed key is read only at start
 (:data:`llmgw.control.live.RESTART_KEYS`).
@@ -29,22 +34,58 @@ for a project (``router.cache.projects`` keyed by the project's id),
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 from quart_trio import QuartTrio
 
 from llmgw.auth.tree import parse_project_path
 from llmgw.control.live import RESTART_KEYS, LiveSettings
-from llmgw.settings import changed_keys, parse_duration_s, with_key
+from llmgw.settings import (
+    SettingsError,
+    changed_keys,
+    parse_duration_s,
+    settings_from_doc,
+    with_key,
+)
 from llmgw.store import Store
 
-from .errors import BadRequest, NoSuch
+from .errors import BadRequest, NoSuch, known_names
 from .inputs import actor, json_object, optional_int, query_int
 
 __all__ = ["MAX_HISTORY", "add_config_routes"]
 
 #: The most versions one history request may ask for.
 MAX_HISTORY: Final = 1000
+
+_Change = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _default_band(doc: dict[str, Any]) -> object:
+    router = doc.get("router")
+    admission = router.get("admission") if isinstance(router, dict) else None
+    return admission.get("default_band") if isinstance(admission, dict) else None
+
+
+def _known_default_band(change: _Change) -> _Change:
+    """``change``, refusing a new ``router.admission.default_band`` that
+    names no band (raises SettingsError, listing the bands)."""
+
+    def checked(doc: dict[str, Any]) -> dict[str, Any]:
+        before = _default_band(doc)
+        changed = change(doc)
+        if _default_band(changed) == before:
+            return changed
+        admission = settings_from_doc(changed).router.admission
+        bands = [band.name for band in admission.bands]
+        if admission.default_band not in bands:
+            raise SettingsError(
+                f"router.admission.default_band: no band {admission.default_band!r}; "
+                f"{known_names('bands', bands)} (router.admission.bands)"
+            )
+        return changed
+
+    return checked
 
 
 def add_config_routes(app: QuartTrio, store: Store, live: LiveSettings) -> None:
@@ -102,7 +143,7 @@ def add_config_routes(app: QuartTrio, store: Store, live: LiveSettings) -> None:
             raise BadRequest("'document' must be the whole settings document (an object).")
         before = dict(live.doc)
         version, changed = await live.update(
-            lambda _: dict(document),
+            _known_default_band(lambda _: dict(document)),
             actor=actor(),
             note=str(body.get("note") or "replaced whole"),
             expected_version=optional_int(body, "expected_version"),
@@ -118,7 +159,7 @@ def add_config_routes(app: QuartTrio, store: Store, live: LiveSettings) -> None:
         value = body["value"]
         before = dict(live.doc)
         version, changed = await live.update(
-            lambda doc: with_key(doc, key, value),
+            _known_default_band(lambda doc: with_key(doc, key, value)),
             actor=actor(),
             note=str(body.get("note") or f"set {key}"),
             expected_version=optional_int(body, "expected_version"),

@@ -32,6 +32,7 @@ is not an ``LlmgwError`` is a bug: 500 ``internal_error``, logged.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Final
 
 import orjson
@@ -50,11 +51,27 @@ __all__ = [
     "answer_for",
     "error_response",
     "install",
+    "known_names",
 ]
 
 log = logging.getLogger("llmgw.admin")
 
 _JSON: Final = "application/json"
+#: The most names an "unknown …" answer lists.
+MAX_NAMES_LISTED: Final = 20
+
+
+def known_names(what: str, names: Iterable[str], *, hint: str = "") -> str:
+    """``the WHAT are: a, b, c`` (sorted; at most :data:`MAX_NAMES_LISTED`,
+    then ``and N more``, with ``hint`` saying where the rest are), or
+    ``there are no WHAT``: the end of an "unknown …" message."""
+    ordered = sorted(set(names))
+    if not ordered:
+        return f"there are no {what}"
+    shown = ", ".join(ordered[:MAX_NAMES_LISTED])
+    if len(ordered) > MAX_NAMES_LISTED:
+        shown += f" and {len(ordered) - MAX_NAMES_LISTED} more" + (f" ({hint})" if hint else "")
+    return f"the {what} are: {shown}"
 
 
 class BadRequest(errors.InvalidInput):

@@ -6,8 +6,11 @@ created (and the answer says which levels were made); ``auth.max_key_ttl``
 caps a key's life and is the expiry of keys made without one; a level's
 limits only narrow what is above it (the accountant enforces that along the
 path); ``keys init`` is idempotent and never re-parents a team or project;
-revoking a key clears its limiter counters. (The admin API itself is opened
-by the admin token, never by a key: :mod:`llmgw.auth.admin_token`.)
+revoking a key clears its limiter counters. A band, a model or a level
+that does not exist is refused (400 ``unknown_band``, 400
+``model_not_found``, 404 ``not_found``) with the names that do. (The admin
+API itself is opened by the admin token, never by a key:
+:mod:`llmgw.auth.admin_token`.)
 
 Money: budgets are given in currency units (``25`` or ``"25.50"``) and kept
 in integer micro-units (``25_000_000``), the unit of prices.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any, Final
 
@@ -46,11 +50,11 @@ from llmgw import errors
 from llmgw.accounting.accountant import Accountant
 from llmgw.auth.keys import KeyAuthenticator, new_key
 from llmgw.auth.tree import ScopeResolver, parse_project_path
-from llmgw.settings import AuthSettings, parse_duration_s
+from llmgw.settings import DEFAULT_BANDS, AuthSettings, parse_duration_s
 from llmgw.store import Store
 from llmgw.store.records import Limits, Org, Project, Team
 
-from .errors import BadRequest, Clash, NoSuch
+from .errors import BadRequest, Clash, NoSuch, known_names
 from .views import MICROS_PER_UNIT, key_view, limits_view
 
 __all__ = ["DEFAULT_PROJECT", "KeysService", "add_key_routes", "parse_budget_micros"]
@@ -159,7 +163,15 @@ class KeysService:
         resolver: ScopeResolver,
         settings: AuthSettings,
         accountant: Accountant | None = None,
+        *,
+        bands: Callable[[], Sequence[str]] | None = None,
     ) -> None:
+        """Args:
+        bands: the names of the live admission bands
+            (``router.admission.bands``); a key's band must be one of them.
+            ``None``: the default bands.
+        """
+        self._bands = bands or (lambda: [band.name for band in DEFAULT_BANDS])
         self._store = store
         self._accountant = accountant
         self._auth = authenticator
@@ -201,8 +213,9 @@ class KeysService:
             ``"created"`` (the tree levels made, ``"org Acme"``, …).
 
         Raises:
-            InvalidInput: a bad path, person, expiry or band, or both a project
-                and a person.
+            InvalidInput: a bad path, person, expiry or band (400
+                ``unknown_band`` for a band not in ``router.admission.bands``,
+                naming those), or both a project and a person.
         """
         now = time.time()
         if not _PRINTABLE.match(name) or len(name) > 200:
@@ -211,6 +224,7 @@ class KeysService:
             raise errors.InvalidInput("'project' must be a path like Acme/ml/train")
         if not isinstance(band, str) or len(band) > 64 or (band and not _PRINTABLE.match(band)):
             raise errors.InvalidInput("'band' must be a short name")
+        self._check_band(band)
         expires_at = self._expiry(expires, now)
         secret, record = new_key(name, now=now)
         if person is not None:
@@ -231,6 +245,53 @@ class KeysService:
         await self._store.insert_key(record)
         return {**key_view(record, path), "key": secret, "created": created}
 
+    def _check_band(self, band: str, where: str = "") -> None:
+        """Raises BadRequest (``unknown_band``) for a band that is not defined;
+        "" (the default band) passes."""
+        bands = list(self._bands())
+        if band and band not in bands:
+            raise BadRequest(
+                f"{where}No band {band!r}; {known_names('bands', bands)} (router.admission.bands).",
+                code="unknown_band",
+                param="band",
+            )
+
+    async def _check_models(self, models: Sequence[str] | None, where: str = "") -> None:
+        """Raises BadRequest (``model_not_found``) for a name that is not a
+        model of the catalog (an alias is named as such)."""
+        if models is None:
+            return
+        catalog = await self._store.list_models()
+        names = {m.name for m in catalog}
+        for name in models:
+            if name in names:
+                continue
+            owner = next((m.name for m in catalog if name in m.aliases), None)
+            if owner is not None:
+                raise BadRequest(
+                    f"{where}{name!r} is an alias of {owner!r}; limits name models by their name.",
+                    code="model_not_found",
+                    param="models",
+                )
+            raise BadRequest(
+                f"{where}No model {name!r} in the catalog; {known_names('models', names)}.",
+                code="model_not_found",
+                param="models",
+            )
+
+    async def check_key(self, key_id: str) -> None:
+        """Raises NotFound (listing the keys there are, revoked ones too)
+        when there is no key ``key_id``."""
+        if await self._store.get_key(key_id) is None:
+            ids = [k.id for k in await self._store.list_keys()]
+            raise NoSuch(f"No key {key_id!r}; {known_names('keys', ids, hint='llmgw keys list')}.")
+
+    async def _no_key(self, key_id: str) -> NoSuch:
+        ids = [k.id for k in await self._store.list_keys() if k.revoked_at is None]
+        return NoSuch(
+            f"No key {key_id!r}; {known_names('live keys', ids, hint='llmgw keys list')}."
+        )
+
     async def rotate(self, key_id: str) -> dict[str, Any]:
         """A new secret for a key; the old one is refused at once.
 
@@ -243,7 +304,7 @@ class KeysService:
         """
         key = await self._store.get_key(key_id)
         if key is None:
-            raise NoSuch(f"No key {key_id!r}.")
+            raise await self._no_key(key_id)
         if key.revoked_at is not None:
             raise Clash(f"Key {key_id!r} is revoked; make a new one.", code="key_revoked")
         if key.expires_at is not None and key.expires_at <= time.time():
@@ -287,12 +348,20 @@ class KeysService:
             ``{"scope", "id" (the level's), "limits" (the new limits view)}``.
 
         Raises:
-            NotFound: no such level. InvalidInput: bad scope or limits.
+            NotFound: no such level (the message lists those there are).
+            InvalidInput: bad scope or limits; a model not in the catalog
+                (``model_not_found``).
         """
         if scope not in ("org", "team", "project", "key"):
-            raise errors.InvalidInput("scope is one of org, team, project, key")
+            raise BadRequest(
+                f"No scope {scope!r}; the scopes are: org, team, project, key.",
+                code="unknown_scope",
+                param="scope",
+            )
         target_id, current = await self._find(scope, ident)
         limits = _limits_from(doc, current)
+        if isinstance(doc, dict) and doc.get("models") is not None:
+            await self._check_models(limits.models)
         await self._store.set_limits(scope, target_id, limits)  # type: ignore[arg-type]
         self._auth.forget(target_id)
         self._resolver.forget()
@@ -303,7 +372,7 @@ class KeysService:
         if scope == "key":
             key = await self._store.get_key(ident)
             if key is None:
-                raise NoSuch(f"No key {ident!r}.")
+                raise await self._no_key(ident)
             return key.id, key.limits
         parts = ident.split("/")
         if scope == "org" and len(parts) == 1:
@@ -328,7 +397,13 @@ class KeysService:
                 level = path.project
             if level.id == ident:
                 return level.id, level.limits
-        raise NoSuch(f"No {scope} {ident!r}.")
+        tree = await self._store.list_tree()
+        paths = {
+            "org": [p.org.name for p in tree],
+            "team": [f"{p.org.name}/{p.team.name}" for p in tree],
+            "project": [p.path for p in tree],
+        }[scope]
+        raise NoSuch(f"No {scope} {ident!r}; {known_names(scope + 's', paths)}.")
 
     async def init_tree(self, doc: object) -> dict[str, Any]:
         """Provision a tree (and keys) from ``{"orgs": [...]}``; idempotent.
@@ -342,9 +417,16 @@ class KeysService:
             InvalidInput: a malformed document (nothing is changed then).
         """
         plan = _parse_tree(doc)
-        for *_, keys in plan:
+        for org, org_limits, team, team_limits, project, project_limits, keys in plan:
             for key_doc in keys:
                 self._check_key_doc(key_doc)
+            for where, limits in (
+                (org, org_limits),
+                (f"{org}/{team}", team_limits),
+                (f"{org}/{team}/{project}", project_limits),
+            ):
+                if isinstance(limits, dict) and limits.get("models") is not None:
+                    await self._check_models(_limits_from(limits, Limits()).models, f"{where}: ")
         async with self._init_lock:
             return await self._apply_tree(plan)
 
@@ -358,6 +440,7 @@ class KeysService:
         band = key_doc.get("band", "")
         if not isinstance(band, str) or len(band) > 64:
             raise errors.InvalidInput(f"key {key_doc['name']!r}: 'band' must be a short name")
+        self._check_band(band, f"key {key_doc['name']!r}: ")
         if not _PRINTABLE.match(key_doc["name"]) or len(key_doc["name"]) > 200:
             raise errors.InvalidInput(
                 f"key {key_doc['name']!r}: a name is 1 to 200 printable characters"
@@ -425,7 +508,7 @@ class KeysService:
         """
         key = await self._store.get_key(key_id)
         if key is None:
-            raise NoSuch(f"No key {key_id!r}.")
+            raise await self._no_key(key_id)
         if key.revoked_at is not None:
             raise Clash(f"Key {key_id!r} is already revoked.", code="already_revoked")
         await self._store.revoke_key(key_id, time.time())

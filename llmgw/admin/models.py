@@ -49,7 +49,7 @@ from llmgw.control.cluster import Cluster
 from llmgw.control.placement import explain
 from llmgw.store import ModelRecord, Store
 
-from .errors import BadRequest, Clash, NoSuch
+from .errors import BadRequest, Clash, NoSuch, known_names
 from .inputs import actor, count, json_object, query_flag
 from .views import model_view, replica_view
 
@@ -85,7 +85,11 @@ def add_model_routes(
         if model is None and aliases:
             model = next((m for m in await store.list_models() if name in m.aliases), None)
         if model is None:
-            raise NoSuch(f"No model {name!r} in the catalog.", code="model_not_found")
+            names = [m.name for m in await store.list_models()]
+            raise NoSuch(
+                f"No model {name!r} in the catalog; {known_names('models', names)}.",
+                code="model_not_found",
+            )
         return model
 
     async def check(model: ModelRecord, *, new: bool) -> None:

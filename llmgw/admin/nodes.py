@@ -31,7 +31,7 @@ from llmgw.control.cluster import Cluster
 from llmgw.control.live import LiveSettings
 from llmgw.settings import with_key
 
-from .errors import BadRequest, NoSuch
+from .errors import BadRequest, NoSuch, known_names
 from .inputs import actor, query_flag, query_int
 from .views import node_view, replica_view
 
@@ -112,7 +112,11 @@ def add_node_routes(app: QuartTrio, cluster: Cluster, live: LiveSettings) -> Non
             with trio.fail_after(LOGS_TIMEOUT_S):
                 reply = await cluster.ask(node_id, ask, correlation_id)
         except LookupError as exc:
-            raise NoSuch(str(exc), code="node_not_connected") from None
+            connected = [n for n, node in cluster.nodes.items() if node.connected]
+            raise NoSuch(
+                f"{str(exc).capitalize()}; {known_names('connected nodes', connected)}.",
+                code="node_not_connected",
+            ) from None
         except trio.TooSlowError:
             raise errors.UpstreamError(
                 f"Node {node_id!r} did not answer within {LOGS_TIMEOUT_S:.0f} s."

@@ -2,7 +2,8 @@
 their sums.
 
 - ``GET /api/v1/usage?last=N&key_id=…`` → ``{"data": [usage row]}``, newest
-  first (``last`` 1 to :data:`MAX_USAGE_ROWS`, default 20);
+  first (``last`` 1 to :data:`MAX_USAGE_ROWS`, default 20); a ``key_id``
+  that names no key is 404, listing the keys;
 - ``GET /api/v1/usage/summary?by=key|project|team|org|model&since=24h`` →
   ``{"by", "since" (epoch seconds), "data": [sum with "name"]}``, from the
   monthly, daily and hourly roll-ups (kept for good; raw rows only for the part of
@@ -110,7 +111,10 @@ def add_usage_routes(app: QuartTrio, store: Store, keys: KeysService) -> None:
             raise BadRequest("'last' must be a whole number.") from None
         if not 1 <= last <= MAX_USAGE_ROWS:
             raise BadRequest(f"'last' must be between 1 and {MAX_USAGE_ROWS}.")
-        rows = await store.list_usage(last=last, key_id=request.args.get("key_id") or None)
+        key_id = request.args.get("key_id") or None
+        if key_id is not None:
+            await keys.check_key(key_id)
+        rows = await store.list_usage(last=last, key_id=key_id)
         return {"data": [usage_view(r) for r in rows]}
 
     @app.get("/api/v1/usage/summary")

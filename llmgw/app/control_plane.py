@@ -49,6 +49,8 @@ log = logging.getLogger("llmgw.control")
 
 #: Requests in flight get this long to finish after a stop, in seconds.
 GRACE_S: Final = 10.0
+#: How long the hub waits for the agents of this process to stop, in seconds.
+AGENTS_STOP_S: Final = 3.0
 #: The usage journal's folder, in the data directory.
 JOURNAL_DIR: Final = "usage-journal"
 
@@ -65,6 +67,8 @@ class ServerConfig:
     grace_s: float = GRACE_S
     #: The seed of the live settings (``server.yaml``); the store's document wins.
     settings: ServerSettings = attrs.field(factory=ServerSettings)
+    #: The file ``settings`` came from; ``None`` = the defaults (no file).
+    settings_source: str | None = None
     #: Where weights, the usage journal and the admin token (``admin-token``)
     #: live; ``None`` = the SQLite store's folder.
     data_dir: Path | None = None
@@ -93,6 +97,7 @@ async def serve_control_plane(
     stop: trio.Event,
     *,
     listeners_closed: trio.Event | None = None,
+    agents_stopped: trio.Event | None = None,
     task_status: trio.TaskStatus[Addresses] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the control plane until ``stop`` is set, then stop gracefully.
@@ -104,6 +109,10 @@ async def serve_control_plane(
         stop: set it to stop (signals, tests).
         listeners_closed: set once every listener has closed (requests in
             flight finished or cut), before the rest of the stop.
+        agents_stopped: when given, the agents' hub stays open until it is
+            set (at most :data:`AGENTS_STOP_S` after the listeners closed):
+            an agent in the same process (``llmgw up``) then ends its link
+            as a stop instead of seeing the hub go away under it.
 
     Returns:
         Once every listener has closed, in-flight requests have finished (or
@@ -151,7 +160,14 @@ async def serve_control_plane(
         accountant=accountant,
         resolver=resolver,
     )
-    keys_service = KeysService(store, authenticator, resolver, auth, accountant)
+    keys_service = KeysService(
+        store,
+        authenticator,
+        resolver,
+        auth,
+        accountant,
+        bands=lambda: [band.name for band in cluster.settings.router.admission.bands],
+    )
     live = LiveSettings(store, cluster)
     # The admin API opens to the token in DATA_DIR/admin-token only (no data
     # directory: to nothing).
@@ -163,7 +179,16 @@ async def serve_control_plane(
     async with trio.open_nursery() as services:
         # Every control plane keeps its settings live, leader or not; the
         # store's document (seeded once from server.yaml) wins over the file.
-        await services.start(partial(serve_settings, store, cluster, config.settings, live=live))
+        await services.start(
+            partial(
+                serve_settings,
+                store,
+                cluster,
+                config.settings,
+                seed_source=config.settings_source,
+                live=live,
+            )
+        )
         if journal is not None:
             await services.start(serve_journal_committer, journal)
         await services.start(
@@ -197,6 +222,9 @@ async def serve_control_plane(
             listeners_closed.set()
         await gateway.aclose()
         await release_leadership(store, holder)
+        if agents_stopped is not None:
+            with trio.move_on_after(AGENTS_STOP_S):
+                await agents_stopped.wait()
         services.cancel_scope.cancel()
     if journal is not None:
         journal.close()

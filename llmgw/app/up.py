@@ -85,6 +85,9 @@ LISTENERS_CLOSE_S: Final = 1.5
 #: How long the engines of the agent run here get between SIGTERM and
 #: SIGKILL, in seconds (then at most ``REAP_DEADLINE_S`` to be reaped).
 ENGINE_STOP_GRACE_S: Final = 1.0
+#: How long the agent run here gets to close its link and stop its engines
+#: before what is left of it is cancelled, in seconds.
+AGENT_STOP_S: Final = 3.0
 
 
 @attrs.frozen(kw_only=True)
@@ -138,13 +141,15 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
     price_given = names_default_price(config_path)
     with _DataDirLock(data_dir):
         models = await model_records(options, data_dir, say)
-        await _run_locked(options, settings, price_given, data_dir, models, started, say)
+        source = None if config_path is None else str(config_path)
+        await _run_locked(options, settings, price_given, source, data_dir, models, started, say)
 
 
 async def _run_locked(
     options: UpOptions,
     settings: ServerSettings,
     price_given: bool,
+    settings_source: str | None,
     data_dir: Path,
     models: list[ModelRecord],
     started: float,
@@ -166,8 +171,11 @@ async def _run_locked(
                 engine_ports=options.engine_ports,
                 grace_s=options.grace_s,
                 settings=settings,
+                settings_source=settings_source,
             )
             listeners_closed = trio.Event()
+            # The agent's link ends before the hub closes: a stop, not a lost link.
+            agent_stopped = trio.Event()
 
             async def control_plane(*, task_status: trio.TaskStatus[Addresses]) -> None:
                 try:
@@ -177,6 +185,7 @@ async def _run_locked(
                         cluster,
                         stop,
                         listeners_closed=listeners_closed,
+                        agents_stopped=agent_stopped,
                         task_status=task_status,
                     )
                 finally:
@@ -200,19 +209,26 @@ async def _run_locked(
                         f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
                         f"metrics http://{addresses.metrics}/metrics"
                     )
+                    agent_stop = trio.Event()
+                    agent_config = AgentConfig(
+                        server_url=f"ws://{addresses.agent_hub}/agent",
+                        token=addresses.agent_token,
+                        llamacpp_bin=options.llamacpp_bin,
+                        owns_engines=True,
+                        state_dir=data_dir / AGENT_STATE_DIR,
+                        engine_stop_grace_s=ENGINE_STOP_GRACE_S,
+                        stop=agent_stop,
+                    )
+
+                    async def agent_here(*, task_status: trio.TaskStatus[object]) -> None:
+                        try:
+                            await serve_agent(agent_config, task_status=task_status)
+                        finally:
+                            agent_stopped.set()
+
                     async with trio.open_nursery() as agent:
                         if options.agent:
-                            await agent.start(
-                                serve_agent,
-                                AgentConfig(
-                                    server_url=f"ws://{addresses.agent_hub}/agent",
-                                    token=addresses.agent_token,
-                                    llamacpp_bin=options.llamacpp_bin,
-                                    owns_engines=True,
-                                    state_dir=data_dir / AGENT_STATE_DIR,
-                                    engine_stop_grace_s=ENGINE_STOP_GRACE_S,
-                                ),
-                            )
+                            await agent.start(agent_here)
                         else:
                             say(
                                 "no agent in this process (--no-agent); start one with:\n"
@@ -239,8 +255,13 @@ async def _run_locked(
                         # the control plane writes its usage rows.
                         if options.agent:
                             say("stopping the engines")
+                            # Its link closes as a stop, then its engines stop.
+                            agent_stop.set()
+                            with trio.move_on_after(AGENT_STOP_S):
+                                await agent_stopped.wait()
                         agent.cancel_scope.cancel()
                 finally:
+                    agent_stopped.set()
                     remove_run_file(data_dir)
         say("stopped")
         root.cancel_scope.cancel()

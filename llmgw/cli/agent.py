@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from llmgw import errors
+
 from .errors import first_leaf
 
 __all__ = ["agent"]
@@ -58,4 +60,4 @@ def agent(
     try:
         trio.run(run_agent, config)
     except* (StateDirBusy, OSError) as group:
-        raise click.ClickException(str(first_leaf(group))) from None
+        raise click.ClickException(errors.describe(first_leaf(group))) from None

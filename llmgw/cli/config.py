@@ -12,7 +12,14 @@ import yaml
 
 from llmgw.admin.client import AdminClient, AdminRefused
 
-from .options import data_dir_option, format_table, json_option, print_json, utc_time
+from .options import (
+    data_dir_option,
+    format_table,
+    json_option,
+    local_time,
+    local_zone,
+    print_json,
+)
 
 __all__ = ["ctl_config", "lookup_key"]
 
@@ -152,7 +159,13 @@ def config_edit(note: str, data_dir: Path) -> None:
 
 
 @ctl_config.command("history")
-@click.option("--last", type=click.IntRange(1, 1000), default=20, show_default=True)
+@click.option(
+    "--last",
+    type=click.IntRange(1, 1000),
+    default=20,
+    show_default=True,
+    help="How many versions to show, newest first.",
+)
 @data_dir_option()
 @json_option()
 def config_history(last: int, data_dir: Path, as_json: bool) -> None:
@@ -166,11 +179,11 @@ def config_history(last: int, data_dir: Path, as_json: bool) -> None:
     rows = [
         [
             change["version"],
-            utc_time(change["changed_at"]),
+            local_time(change["changed_at"]),
             change["actor"] or "-",
             ", ".join(change["changed"]) or "-",
             change["note"],
         ]
         for change in doc["data"]
     ]
-    click.echo(format_table(["VERSION", "WHEN (UTC)", "WHO", "CHANGED", "NOTE"], rows))
+    click.echo(format_table(["VERSION", f"WHEN ({local_zone()})", "WHO", "CHANGED", "NOTE"], rows))

@@ -25,7 +25,7 @@ class ReportingGroup(click.Group):
         try:
             return super().invoke(ctx)
         except errors.LlmgwError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(errors.describe(exc)) from None
 
 
 def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -35,7 +35,11 @@ def keys() -> None:
 @click.option(
     "--expires", default=None, help="Life of the key: 30d, 12h … (capped by auth.max_key_ttl)."
 )
-@click.option("--band", default="", help="Admission band (gold, bulk …).")
+@click.option(
+    "--band",
+    default="",
+    help="Admission band, one of router.admission.bands (default router.admission.default_band).",
+)
 @data_dir_option()
 @json_option()
 def keys_create(
@@ -142,7 +146,12 @@ def keys_init(file: Path, data_dir: Path, as_json: bool) -> None:
 
 
 @keys.command("limits")
-@click.option("--scope", type=click.Choice(["org", "team", "project", "key"]), required=True)
+@click.option(
+    "--scope",
+    type=click.Choice(["org", "team", "project", "key"]),
+    required=True,
+    help="The level of the tree whose limits change; --id names it.",
+)
 @click.option("--id", "ident", required=True, help="ORG, ORG/TEAM, ORG/TEAM/PROJECT or a key id.")
 @click.option("--rpm", default=None, help="Requests a minute ('none' clears).")
 @click.option("--tpm", default=None, help="Tokens a minute ('none' clears).")
@@ -151,7 +160,11 @@ def keys_init(file: Path, data_dir: Path, as_json: bool) -> None:
     default=None,
     help="AMOUNT/day or AMOUNT/month in currency units ('none/month' clears).",
 )
-@click.option("--models", default=None, help="Comma-separated models allowed ('none' inherits).")
+@click.option(
+    "--models",
+    default=None,
+    help="Comma-separated models of the catalog allowed ('none' inherits).",
+)
 @data_dir_option()
 @json_option()
 def keys_limits(

@@ -14,7 +14,14 @@ import yaml
 from llmgw.admin.client import AdminClient
 
 from .nodes import print_replicas
-from .options import data_dir_option, format_table, json_option, path_part, print_json
+from .options import (
+    data_dir_option,
+    format_table,
+    json_option,
+    local_time,
+    path_part,
+    print_json,
+)
 
 __all__ = [
     "ctl_explain_placement",
@@ -253,7 +260,11 @@ def model_show(name: str, data_dir: Path, as_json: bool) -> None:
         print_json(view)
         return
     _say_model(view, "model")
-    click.echo(yaml.safe_dump(view["entry"], sort_keys=False).rstrip())
+    entry = dict(view["entry"])
+    added = entry.pop("created_at", None)
+    if added:
+        click.echo(f"added {local_time(added, zone=True)}")
+    click.echo(yaml.safe_dump(entry, sort_keys=False).rstrip())
     if view.get("shards"):
         click.echo("")
         print_replicas(view["shards"])
@@ -417,7 +428,13 @@ def model_context(
     show_default=True,
     help="Context tokens to hold (all slots).",
 )
-@click.option("--slots", type=click.IntRange(1), default=1, show_default=True)
+@click.option(
+    "--slots",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Parallel sequences one replica serves (they share --context).",
+)
 @click.option("--engine", default=None, help="GPU engine (default by format).")
 @data_dir_option()
 @json_option()

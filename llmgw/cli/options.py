@@ -19,8 +19,11 @@ __all__ = [
     "data_dir_option",
     "format_table",
     "json_option",
+    "local_time",
+    "local_zone",
     "path_part",
     "print_json",
+    "show_times",
     "utc_time",
 ]
 
@@ -85,6 +88,30 @@ def ago(at: float | None) -> str:
     if seconds < 172800:
         return f"{seconds / 3600:.0f}h ago"
     return f"{seconds / 86400:.0f}d ago"
+
+
+def local_zone() -> str:
+    """This machine's time zone as times are shown (``CET``, ``UTC``)."""
+    return dt.datetime.now().astimezone().strftime("%Z")
+
+
+def local_time(at: float | None, *, zone: bool = False) -> str:
+    """The epoch time ``at`` (seconds) as a local date, ``YYYY-MM-DD
+    HH:MM:SS`` (with the zone, ``… CET``, when ``zone``); ``-`` for none.
+    Tables name the zone once, in their header (:func:`local_zone`)."""
+    if at is None or isinstance(at, bool) or not isinstance(at, int | float):
+        return "-"
+    when = dt.datetime.fromtimestamp(at).astimezone()
+    return when.strftime("%Y-%m-%d %H:%M:%S %Z" if zone else "%Y-%m-%d %H:%M:%S")
+
+
+def show_times(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its epoch times (keys ending ``_at``) as local dates with
+    their zone, for a detail view; ``--json`` keeps the numbers."""
+    return {
+        name: local_time(value, zone=True) if name.endswith("_at") else value
+        for name, value in doc.items()
+    }
 
 
 def utc_time(at: float) -> str:

@@ -168,9 +168,9 @@ def up(
     # ValueError covers InvalidInput (a bad setting or catalog entry);
     # AgentError a weights mismatch; StartupError a busy data directory.
     except* (errors.StartupError, errors.AgentError, FileNotFoundError, ValueError) as group:
-        raise click.ClickException(str(first_leaf(group))) from None
+        raise click.ClickException(errors.describe(first_leaf(group))) from None
     except* OSError as group:
         raise click.ClickException(
-            f"cannot listen: {first_leaf(group)} (is another llmgw running on these ports? see "
+            f"cannot listen: {errors.describe(first_leaf(group))} (is another llmgw running on these ports? see "
             "--listen and the other --…-listen options)"
         ) from None

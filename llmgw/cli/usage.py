@@ -11,7 +11,15 @@ import click
 
 from llmgw.admin.client import AdminClient
 
-from .options import data_dir_option, json_option, path_part, print_json, utc_time
+from .options import (
+    data_dir_option,
+    json_option,
+    local_time,
+    local_zone,
+    path_part,
+    print_json,
+    show_times,
+)
 
 __all__ = ["ctl_request", "ctl_usage"]
 
@@ -65,10 +73,10 @@ def ctl_usage(
         print_json(doc)
         return
     click.echo(
-        f"{'time (UTC)':19}  {'request':28}  {'key':20}  {'model':16}  status  prompt  cached  compl  dur_ms  ttft_ms"
+        f"{f'time ({local_zone()})':19}  {'request':28}  {'key':20}  {'model':16}  status  prompt  cached  compl  dur_ms  ttft_ms"
     )
     for row in doc["data"]:
-        when = utc_time(row["created_at"])
+        when = local_time(row["created_at"])
         ttft = "" if row["ttft_ms"] is None else f"{row['ttft_ms']:.0f}"
         click.echo(
             f"{when:19}  {row['request_id']:28}  {row['key_id']:20}  {row['model'][:16]:16}  "
@@ -79,7 +87,12 @@ def ctl_usage(
 
 @ctl_usage.command("export")
 @click.option(
-    "--format", "fmt", type=click.Choice(["csv", "jsonl"]), default="jsonl", show_default=True
+    "--format",
+    "fmt",
+    type=click.Choice(["csv", "jsonl"]),
+    default="jsonl",
+    show_default=True,
+    help="CSV with a header line, or one JSON object a line.",
 )
 @click.option("--since", default="30d", show_default=True, help="24h, 30d, 2026-11-01 …")
 @click.option("--until", default=None, help="Same forms as --since.")
@@ -108,5 +121,5 @@ def ctl_request(request_id: str, data_dir: Path, as_json: bool) -> None:
     if as_json:
         print_json(doc)
         return
-    for name, value in doc.items():
-        click.echo(f"{name:18} {value}")
+    for name, value in show_times(doc).items():
+        click.echo(f"{name:18} {'-' if value is None or value == '' else value}")

@@ -28,6 +28,8 @@ from llmgw.router.endpoint import Endpoint
 from llmgw.settings import ServerSettings
 from llmgw.store import ModelRecord, Profile, profile_fingerprint
 
+from .planning import replica_cores
+
 __all__ = [
     "Cluster",
     "NodeInfo",
@@ -771,10 +773,16 @@ class Cluster:
 
     def assign_profile(self, shard: ShardInfo, profile: Profile, gpu_memory_mb: float) -> None:
         """``shard`` runs as ``profile`` and reserves what it asks: its host
-        memory and cores, and ``gpu_memory_mb`` MiB on each card."""
+        memory, its cores (:func:`~llmgw.control.placement.replica_cores` on
+        its node) and ``gpu_memory_mb`` MiB on each card."""
         shard.profile = profile.name
         shard.memory_gb = profile.min_memory_gb
-        shard.cpu_cores = profile.cpu_cores
+        node = self._nodes.get(shard.node_id)
+        shard.cpu_cores = replica_cores(
+            profile,
+            node.hardware.cpu_count if node is not None else 0,
+            on_cards=bool(shard.gpu_indices),
+        )
         shard.gpu_memory_mb = gpu_memory_mb
 
     def mark_starting(self, shard: ShardInfo) -> None:

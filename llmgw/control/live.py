@@ -6,8 +6,10 @@ unstructured to plain JSON types (durations as seconds), kept by the store
 with a version counter and its history (``settings_history``):
 
 - on the first start with no stored document, the settings read from
-  ``server.yaml`` seed it (version 1, actor ``server.yaml``); a stored
-  document is never overwritten by a file;
+  ``server.yaml`` (or the defaults, when there is no such file) seed it
+  (version 1, actor ``server.yaml`` or ``defaults``); a stored document is
+  never overwritten by a file; the log says which of the three the live
+  settings came from;
 - every control plane (leader or not) runs :func:`serve_settings`, which
   polls :meth:`~llmgw.store.Store.settings_version` every
   :data:`POLL_S` and, when it moved, applies the document to the cluster
@@ -74,6 +76,8 @@ POLL_S: Final = 1.0
 #: Tries of a read-change-write that keeps meeting concurrent writers.
 UPDATE_TRIES: Final = 5
 SEED_ACTOR: Final = "server.yaml"
+#: The actor of a first version seeded from the defaults (no settings file).
+DEFAULTS_ACTOR: Final = "defaults"
 
 
 class LiveSettings:
@@ -137,25 +141,31 @@ class LiveSettings:
             return False
         return self.apply(*stored)
 
-    async def seed(self, settings: ServerSettings) -> bool:
+    async def seed(self, settings: ServerSettings, *, source: str | None = None) -> bool:
         """Store ``settings`` as version 1 if there is no document yet (a
         stored one is never replaced); whether this call wrote it.
+
+        Args:
+            source: the settings file they were read from (logged, and the
+                version's actor is ``server.yaml``), or ``None`` for the
+                defaults (actor ``defaults``).
 
         Raises:
             StoreError: the store cannot be reached.
         """
         if await self._store.settings_version() != 0:
             return False
+        where = "the defaults, there being no settings file" if source is None else source
         try:
             version = await self._store.put_settings_doc(
                 settings_to_doc(settings),
                 expected_version=0,
-                actor=SEED_ACTOR,
-                note="first start: settings from server.yaml",
+                actor=DEFAULTS_ACTOR if source is None else SEED_ACTOR,
+                note=f"first start: settings from {where}",
             )
         except Conflict:
             return False  # another control plane seeded it first
-        log.info("settings seeded from server.yaml (version %d)", version)
+        log.info("settings seeded from %s (version %d)", where, version)
         return True
 
     async def update(
@@ -222,6 +232,7 @@ async def serve_settings(
     cluster: Cluster,
     seed: ServerSettings,
     *,
+    seed_source: str | None = None,
     live: LiveSettings | None = None,
     task_status: trio.TaskStatus[LiveSettings] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
@@ -238,6 +249,8 @@ async def serve_settings(
         store: the store.
         cluster: whose ``settings`` are kept current; poked on each change.
         seed: the settings from ``server.yaml`` (or the defaults).
+        seed_source: the file ``seed`` was read from, ``None`` for the
+            defaults; the log names it.
         live: the state to keep (the admin API shares it); made when ``None``.
     """
     if live is None:
@@ -250,9 +263,11 @@ async def serve_settings(
     while True:
         try:
             if live.version == 0:
-                seeded = await live.seed(seed)
+                seeded = await live.seed(seed, source=seed_source)
                 if await live.refresh() and not seeded:
-                    _say_seed_ignored(seed, live)
+                    log.info("settings loaded from the store (version %d)", live.version)
+                    if seed_source is not None:
+                        _say_seed_ignored(seed, seed_source, live)
             else:
                 await live.refresh()
             if failing:
@@ -272,12 +287,13 @@ async def serve_settings(
         await trio.sleep(POLL_S)
 
 
-def _say_seed_ignored(seed: ServerSettings, live: LiveSettings) -> None:
+def _say_seed_ignored(seed: ServerSettings, source: str, live: LiveSettings) -> None:
     differ = changed_keys(settings_to_doc(seed), live.doc)
     if differ:
         log.warning(
-            "the stored settings (version %d) differ from server.yaml in %s; the stored "
+            "the stored settings (version %d) differ from %s in %s; the stored "
             "ones apply (change them with 'llmgw ctl config')",
             live.version,
+            source,
             ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else ""),
         )

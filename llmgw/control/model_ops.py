@@ -114,7 +114,11 @@ def change_context(
     if model.is_external and (tokens is not None or slots is not None):
         raise ModelChangeError(f"{model.name} is an outside model: only 'max_output' can change.")
     if profile is not None and profile not in {p.name for p in model.profiles}:
-        raise ModelChangeError(f"{model.name} has no profile {profile!r}.", param="profile")
+        raise ModelChangeError(
+            f"{model.name} has no profile {profile!r}; it has "
+            f"{', '.join(p.name for p in model.profiles) or 'none'}.",
+            param="profile",
+        )
     profiles = []
     restart = False
     for p in model.profiles:

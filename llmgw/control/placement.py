@@ -18,7 +18,17 @@ node's reason, quoting figures:
    replicas there reserve. Total, not available: the page cache and the
    engines already running make "available" move with load, and a
    reservation must not depend on it; views compare reserved with measured;
-5. CPU cores: ``cpu_cores`` ≤ ``cpu_count`` minus the cores reserved there.
+5. CPU cores: the replica's cores (:func:`replica_cores`) ≤ ``cpu_count``
+   minus the cores reserved there.
+
+**Cores** a replica reserves are the cores its threads use
+(:func:`replica_cores`): the profile's ``cpu_cores`` when set (the
+engine's ``--threads``); else, for llama.cpp, its ``--threads``/``-t``
+argument; else a llama.cpp replica without cards runs one thread per core
+of its node and reserves them all. Other engines (sim) and replicas on
+cards reserve ``cpu_cores`` (0 when not set). A successor started to
+replace a replica (a rolling restart) may use the cores of the one it
+replaces, on the same node: both run only while the successor loads.
 
 **Reservations** are what the shards in ``Cluster.shards`` on a node hold —
 wanted ones, ones backing off after a crash, and retiring ones still
@@ -59,8 +69,10 @@ import attrs
 from llmgw.agent.protocol import Gpu
 from llmgw.store import ModelRecord, Profile
 
+from .planning import replica_cores
+
 if TYPE_CHECKING:
-    from .cluster import Cluster, NodeInfo
+    from .cluster import Cluster, NodeInfo, ShardInfo
 
 __all__ = [
     "ENGINES_EVERYWHERE",
@@ -116,10 +128,12 @@ _MEMORY_IN_NAME: Final = re.compile(r"(\d+)\s*gb\b", re.IGNORECASE)
 
 @attrs.frozen(kw_only=True)
 class PlacementChoice:
-    """Where a replica goes: the node, and the card indices (``()`` on CPU)."""
+    """Where a replica goes: the node, the card indices (``()`` on CPU), and
+    the cores it reserves there (:func:`replica_cores`)."""
 
     node_id: str
     gpu_indices: tuple[int, ...] = ()
+    cpu_cores: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -271,7 +285,8 @@ def check_node(
 ) -> NodeVerdict:
     """Check the five constraints (module docstring) for one more replica of
     ``profile`` on ``node``, with the reservations ``room`` (default: what
-    ``cluster.shards`` holds there)."""
+    ``cluster.shards`` holds there). A fitting verdict's ``figures`` carry
+    ``cores_need``, the cores the replica would reserve."""
     if room is None:
         room = node_room(cluster, node.node_id)
 
@@ -371,10 +386,11 @@ def check_node(
     # (5) cores
     cpu_count = node.hardware.cpu_count
     free_cores = cpu_count - room.cpu_cores
-    figures.update(cores_need=profile.cpu_cores, cores_free=free_cores, cores_total=cpu_count)
-    if profile.cpu_cores > free_cores:
+    need_cores = replica_cores(profile, cpu_count, on_cards=bool(chosen))
+    figures.update(cores_need=need_cores, cores_free=free_cores, cores_total=cpu_count)
+    if need_cores > free_cores:
         return refuse(
-            f"needs {profile.cpu_cores} CPU cores; {max(free_cores, 0)} of {cpu_count} free{after}",
+            f"needs {need_cores} CPU cores; {max(free_cores, 0)} of {cpu_count} free{after}",
             **figures,
         )
     figures["replicas"] = room.replicas
@@ -386,7 +402,7 @@ def check_node(
         fits=True,
         reason=(
             f"fits: {cards}{free_gb - profile.min_memory_gb:.1f} GB of {total_gb:.1f} GB host "
-            f"memory and {free_cores - profile.cpu_cores} of {cpu_count} cores left{after}"
+            f"memory and {free_cores - need_cores} of {cpu_count} cores left{after}"
         ),
         figures=figures,
         gpu_indices=chosen,
@@ -399,15 +415,25 @@ def place(
     cluster: Cluster,
     *,
     exclude_nodes: frozenset[str] = frozenset(),
+    replacing: ShardInfo | None = None,
 ) -> PlacementChoice | None:
     """The node (and cards) for one more replica of ``profile``, or ``None``
     when it fits nowhere; nodes in ``exclude_nodes`` are not considered.
+    ``replacing``: the replica this one succeeds; its cores count as free
+    on its node (module docstring, Cores).
 
     Picks the fitting node with the most free room (module docstring,
     Choice). :func:`explain` says why each node was turned down.
     """
+
+    def room_of(node_id: str) -> NodeRoom:
+        room = node_room(cluster, node_id)
+        if replacing is not None and replacing.node_id == node_id:
+            room = attrs.evolve(room, cpu_cores=room.cpu_cores - replacing.cpu_cores)
+        return room
+
     verdicts = [
-        check_node(model, profile, node, cluster)
+        check_node(model, profile, node, cluster, room_of(node_id))
         for node_id, node in sorted(cluster.nodes.items())
         if node_id not in exclude_nodes
     ]
@@ -424,7 +450,11 @@ def place(
             v.node_id,
         ),
     )
-    return PlacementChoice(node_id=best.node_id, gpu_indices=best.gpu_indices)
+    return PlacementChoice(
+        node_id=best.node_id,
+        gpu_indices=best.gpu_indices,
+        cpu_cores=int(best.figures.get("cores_need", 0)),
+    )
 
 
 def explain(model: ModelRecord, cluster: Cluster) -> list[NodeVerdict]:

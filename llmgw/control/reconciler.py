@@ -62,7 +62,7 @@ import trio
 
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
-from llmgw.errors import LinkError
+from llmgw.errors import LinkError, describe
 from llmgw.store import ModelRecord, Profile, StoreError
 
 from .cluster import (
@@ -354,7 +354,9 @@ async def _reconcile_slot(
         await _start_new(model, slot, profile, fingerprint, cluster, port_range, now, waiting)
     elif may_roll:
         started = int(
-            await _start_new(model, slot, profile, fingerprint, cluster, port_range, now, waiting)
+            await _start_new(
+                model, slot, profile, fingerprint, cluster, port_range, now, waiting, replacing=old
+            )
         )
     else:
         waiting[replica_id_for(model.name, slot, _next_generation(cluster, model.name, slot))] = (
@@ -455,11 +457,14 @@ async def _start_new(
     port_range: PortRange,
     now: float,
     waiting: dict[str, str],
+    *,
+    replacing: ShardInfo | None = None,
 ) -> bool:
-    """Place and start a new replica for ``slot``; False when it fits nowhere."""
+    """Place and start a new replica for ``slot`` (the successor of
+    ``replacing``, when given); False when it fits nowhere."""
     generation = _next_generation(cluster, model.name, slot)
     replica_id = replica_id_for(model.name, slot, generation)
-    choice = place(model, profile, cluster)
+    choice = place(model, profile, cluster, replacing=replacing)
     if choice is None:
         waiting[replica_id] = _no_room(model, profile, cluster)
         return False
@@ -481,7 +486,7 @@ async def _start_new(
         fingerprint=fingerprint,
         gpu_indices=choice.gpu_indices,
         memory_gb=profile.min_memory_gb,
-        cpu_cores=profile.cpu_cores,
+        cpu_cores=choice.cpu_cores,
         gpu_memory_mb=gpu_need_mb(model, profile, cluster),
         started_at=now,
         progress_at=now,
@@ -558,7 +563,7 @@ async def _start(cluster: Cluster, shard: ShardInfo, model: ModelRecord, profile
         with trio.fail_after(SEND_TIMEOUT_S):
             await node.send(message)
     except (LinkError, trio.TooSlowError) as exc:
-        log.warning("could not send StartShard for %s: %r", shard.shard_id, exc)
+        log.warning("could not send StartShard for %s: %s", shard.shard_id, describe(exc))
     return True
 
 
@@ -638,7 +643,7 @@ async def _send_stop(cluster: Cluster, node_id: str, shard_id: str) -> None:
         with trio.fail_after(SEND_TIMEOUT_S):
             await node.send(protocol.StopShard(correlation_id=uuid.uuid4().hex, shard_id=shard_id))
     except (LinkError, trio.TooSlowError) as exc:
-        log.warning("could not send StopShard for %s to %s: %r", shard_id, node_id, exc)
+        log.warning("could not send StopShard for %s to %s: %s", shard_id, node_id, describe(exc))
 
 
 def _next_wake_s(cluster: Cluster) -> float:

@@ -432,13 +432,13 @@ class Route:
             # It left routing (not answering its health check, failed):
             # its breaker goes with it.
             log.warning(
-                "endpoint %s did not answer and left routing (not counted): %r",
+                "endpoint %s did not answer and left routing (not counted): %s",
                 endpoint.label,
-                exc,
+                errors.describe(exc),
             )
         else:
             endpoint.breaker.failure(self._router.clock())
-            log.warning("endpoint %s did not answer: %r", endpoint.label, exc)
+            log.warning("endpoint %s did not answer: %s", endpoint.label, errors.describe(exc))
         return self._retry(attempt)
 
     def turned_away(self, attempt: Attempt, status: int, retry_after: bytes | None) -> bool:

@@ -56,7 +56,13 @@ async def admin(tmp_path: Path) -> AsyncIterator[Admin]:
         cluster = Cluster()
         cluster.set_secret(b"s" * 32)
         authenticator = KeyAuthenticator(store)
-        keys = KeysService(store, authenticator, ScopeResolver(store), AuthSettings())
+        keys = KeysService(
+            store,
+            authenticator,
+            ScopeResolver(store),
+            AuthSettings(),
+            bands=lambda: [band.name for band in cluster.settings.router.admission.bands],
+        )
         secret = new_admin_token()
         write_admin_token(tmp_path / ADMIN_TOKEN_FILE, secret)
         live = LiveSettings(store, cluster)

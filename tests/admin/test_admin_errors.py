@@ -78,7 +78,11 @@ async def _raw(admin: Admin, method: str, path: str, key: str | None = None) -> 
 async def test_an_error_a_route_raises_is_answered_in_the_one_shape(admin: Admin) -> None:
     assert await _raw(admin, "GET", "/api/v1/models/nope") == (
         404,
-        {"error": _error("No model 'nope' in the catalog.", "model_not_found")},
+        {
+            "error": _error(
+                "No model 'nope' in the catalog; there are no models.", "model_not_found"
+            )
+        },
     )
     assert await _raw(admin, "GET", "/api/v1/usage?last=0") == (
         400,

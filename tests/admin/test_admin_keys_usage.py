@@ -10,7 +10,7 @@ import pytest
 
 from llmgw.admin.usage import parse_since
 from llmgw.errors import InvalidInput
-from llmgw.store import UsageRow
+from llmgw.store import ModelRecord, UsageRow
 
 if TYPE_CHECKING:
     from tests.admin.conftest import Admin
@@ -108,6 +108,7 @@ async def test_the_tree_is_provisioned_once_and_limits_narrow_a_level(admin: Adm
     assert path["limits"]["org"]["budget_month"] == "25.5"
     assert path["limits"]["org"]["rpm"] == 600
 
+    await admin.store.put_model(ModelRecord.simple("m", "sim"))
     status, body = await admin.call(
         "PUT", "/api/v1/limits/project/Acme/ml/train", {"tpm": 1000, "models": ["m"]}
     )
@@ -192,3 +193,150 @@ def test_parse_since_reads_durations_and_dates(text: str, seconds: float) -> Non
 def test_parse_since_refuses_anything_else_as_invalid_input() -> None:
     with pytest.raises(InvalidInput, match="is not a time"):
         parse_since("whenever", 0)
+
+
+# --- names that do not exist are refused with those that do -------------------------
+
+
+async def test_a_key_in_a_band_that_does_not_exist_is_refused_naming_the_bands(
+    admin: Admin,
+) -> None:
+    status, body = await admin.call("POST", "/api/v1/keys", {"name": "k", "band": "nosuchband"})
+    assert status == 400
+    assert body["error"] == {
+        "message": "No band 'nosuchband'; the bands are: bulk, interactive "
+        "(router.admission.bands).",
+        "type": "invalid_request_error",
+        "code": "unknown_band",
+        "param": "band",
+    }
+    assert not [k for k in await admin.store.list_keys() if k.name == "k"]
+    status, made = await admin.call("POST", "/api/v1/keys", {"name": "k", "band": "bulk"})
+    assert (status, made["band"]) == (201, "bulk")
+    # The live bands decide: a band added by `ctl config set` is taken at once.
+    await admin.call(
+        "PATCH",
+        "/api/v1/config",
+        {"key": "router.admission.bands", "value": [{"name": "gold", "priority": 300}]},
+    )
+    status, _ = await admin.call("POST", "/api/v1/keys", {"name": "g", "band": "gold"})
+    assert status == 201
+    tree = {
+        "orgs": [
+            {
+                "name": "Acme",
+                "teams": [
+                    {
+                        "name": "ml",
+                        "projects": [{"name": "t", "keys": [{"name": "b", "band": "bulk"}]}],
+                    }
+                ],
+            }
+        ]
+    }
+    status, body = await admin.call("POST", "/api/v1/tree", tree)
+    assert (status, body["error"]["code"]) == (400, "unknown_band")
+    assert body["error"]["message"].startswith("key 'b': No band 'bulk'; the bands are: gold")
+    _, listing = await admin.call("GET", "/api/v1/tree")
+    assert "Acme/ml/t" not in [p["path"] for p in listing["data"]]  # nothing made
+
+
+async def test_limits_naming_a_model_not_in_the_catalog_are_refused_naming_the_models(
+    admin: Admin,
+) -> None:
+    await admin.store.put_model(ModelRecord.simple("m", "sim", aliases=("m-alias",)))
+    await admin.store.put_model(ModelRecord.simple("n", "sim"))
+    status, made = await admin.call("POST", "/api/v1/keys", {"name": "k"})
+    assert status == 201
+    path = f"/api/v1/limits/key/{made['id']}"
+    status, body = await admin.call("PUT", path, {"models": ["m", "nosuch"]})
+    assert status == 400
+    assert body["error"]["code"] == "model_not_found"
+    assert body["error"]["param"] == "models"
+    assert body["error"]["message"] == ("No model 'nosuch' in the catalog; the models are: m, n.")
+    status, body = await admin.call("PUT", path, {"models": ["m-alias"]})
+    assert status == 400
+    assert "'m-alias' is an alias of 'm'" in body["error"]["message"]
+    status, body = await admin.call("PUT", path, {"models": ["m"]})
+    assert (status, body["limits"]["models"]) == (200, ["m"])
+    tree = {
+        "orgs": [
+            {
+                "name": "Acme",
+                "limits": {"models": ["gone"]},
+                "teams": [{"name": "ml", "projects": [{"name": "t"}]}],
+            }
+        ]
+    }
+    status, body = await admin.call("POST", "/api/v1/tree", tree)
+    assert status == 400
+    assert body["error"]["message"] == (
+        "Acme: No model 'gone' in the catalog; the models are: m, n."
+    )
+
+
+async def test_an_unknown_scope_level_or_key_is_refused_naming_those_there_are(
+    admin: Admin,
+) -> None:
+    tree = {
+        "orgs": [
+            {"name": "Acme", "teams": [{"name": "ml", "projects": [{"name": "train"}]}]},
+            {"name": "Beta", "teams": [{"name": "ops", "projects": [{"name": "web"}]}]},
+        ]
+    }
+    assert (await admin.call("POST", "/api/v1/tree", tree))[0] == 200
+    status, body = await admin.call("PUT", "/api/v1/limits/org/Gamma", {"rpm": 1})
+    assert status == 404
+    assert body["error"]["message"] == "No org 'Gamma'; the orgs are: Acme, Beta."
+    status, body = await admin.call("PUT", "/api/v1/limits/team/Acme/nope", {"rpm": 1})
+    assert body["error"]["message"] == "No team 'Acme/nope'; the teams are: Acme/ml, Beta/ops."
+    status, body = await admin.call("PUT", "/api/v1/limits/project/Acme/ml/x", {"rpm": 1})
+    assert body["error"]["message"] == (
+        "No project 'Acme/ml/x'; the projects are: Acme/ml/train, Beta/ops/web."
+    )
+    status, body = await admin.call("PUT", "/api/v1/limits/planet/Acme", {"rpm": 1})
+    assert (status, body["error"]["code"]) == (400, "unknown_scope")
+    assert body["error"]["message"] == (
+        "No scope 'planet'; the scopes are: org, team, project, key."
+    )
+    status, made = await admin.call("POST", "/api/v1/keys", {"name": "only"})
+    assert status == 201, made
+    key_id = made["id"]
+    status, body = await admin.call("GET", "/api/v1/usage?key_id=nokey")
+    assert status == 404
+    assert body["error"]["message"] == f"No key 'nokey'; the keys are: {key_id}."
+    assert (await admin.call("GET", f"/api/v1/usage?key_id={key_id}"))[0] == 200
+    for method, path in (
+        ("PUT", "/api/v1/limits/key/nokey"),
+        ("POST", "/api/v1/keys/nokey/rotate"),
+        ("POST", "/api/v1/keys/nokey/revoke"),
+    ):
+        status, body = await admin.call(method, path, {"rpm": 1} if method == "PUT" else None)
+        assert status == 404, path
+        assert body["error"]["message"] == (f"No key 'nokey'; the live keys are: {key_id}."), path
+
+
+async def test_a_default_band_that_names_no_band_is_refused_naming_the_bands(
+    admin: Admin,
+) -> None:
+    status, body = await admin.call(
+        "PATCH", "/api/v1/config", {"key": "router.admission.default_band", "value": "gold"}
+    )
+    assert status == 400
+    assert body["error"]["code"] == "invalid_settings"
+    assert body["error"]["message"] == (
+        "Settings not valid: router.admission.default_band: no band 'gold'; the bands are: "
+        "bulk, interactive (router.admission.bands)"
+    )
+    assert admin.live.version == 1
+    status, _ = await admin.call(
+        "PATCH", "/api/v1/config", {"key": "router.admission.default_band", "value": "bulk"}
+    )
+    assert status == 200
+    # Bands replaced without the default band are taken (its keys fall back).
+    status, _ = await admin.call(
+        "PATCH",
+        "/api/v1/config",
+        {"key": "router.admission.bands", "value": [{"name": "gold", "priority": 300}]},
+    )
+    assert status == 200

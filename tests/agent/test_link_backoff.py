@@ -86,3 +86,54 @@ async def _refused_agent(cluster: Cluster) -> None:
                 assert cluster.nodes["node-a"] is original
                 assert original.connected
             nursery.cancel_scope.cancel()
+
+
+async def _closed_port() -> int:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]  # bound, never listening: refused
+    return port
+
+
+async def test_a_control_plane_not_there_is_a_warning_naming_the_socket_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"ws://127.0.0.1:{await _closed_port()}/agent"
+    with trio.fail_after(10), caplog.at_level("INFO", logger="llmgw.agent.link"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve_link, url, TOKEN, _handlers())
+            while not caplog.records:  # noqa: ASYNC110 (records wake no one)
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    first = caplog.records[0]
+    assert first.levelname == "WARNING"
+    assert first.getMessage().startswith(
+        f"cannot reach the control plane at {url} (cannot connect: "
+    )
+    assert "HandshakeError" not in first.getMessage()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_after_the_control_plane_said_it_stops_not_reaching_it_is_not_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A control plane that closes with "going away" and is gone: the agent
+    says so and retries quietly (info), no "lost" and no warning."""
+    cluster = Cluster()
+    with trio.fail_after(20), caplog.at_level("INFO", logger="llmgw.agent.link"):
+        async with trio.open_nursery() as outer:
+            async with trio.open_nursery() as hub:
+                port = await hub.start(serve_agent_hub, "127.0.0.1", 0, TOKEN, cluster)
+                outer.start_soon(serve_link, f"ws://127.0.0.1:{port}/agent", TOKEN, _handlers())
+                while "node-a" not in cluster.nodes:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+                hub.cancel_scope.cancel()  # the hub closes its links with GOING_AWAY
+            while not any("cannot reach" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            outer.cancel_scope.cancel()
+        gc.collect()
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert any("is stopping; will reconnect" in m for _, m in messages), messages
+    assert [m for level, m in messages if level != "INFO"] == [], messages
+    assert not [m for _, m in messages if "lost" in m], messages

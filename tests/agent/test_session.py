@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 import gc
 import hashlib
+import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import msgpack
 import pytest
@@ -69,9 +71,13 @@ async def test_a_control_plane_that_cannot_be_reached_is_a_link_closed() -> None
     with trio.socket.socket() as sock:
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # bound, not listening: refused
-    with trio.fail_after(10), pytest.raises(errors.LinkClosed):
+    with trio.fail_after(10), pytest.raises(errors.LinkClosed) as closed:
         async with session.connect(f"ws://127.0.0.1:{port}/agent", TOKEN, _register):
             pass
+    # trio-websocket's HandshakeError has no text: the socket's error says why.
+    assert str(closed.value).startswith("cannot connect: ")
+    assert "HandshakeError" not in str(closed.value)
+    assert len(str(closed.value)) > len("cannot connect: ") + 5
 
 
 async def test_a_refused_handshake_is_a_link_closed_naming_the_status() -> None:
@@ -233,4 +239,70 @@ async def test_a_peer_that_does_not_answer_pings_ends_the_link(
                 async with session.connect(url, TOKEN, _register) as link:
                     await link.keepalive()
             nursery.cancel_scope.cancel()
+    gc.collect()
+
+
+async def test_a_stopped_link_closes_as_a_stop_and_serve_link_returns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``stop`` closes the link with GOING_AWAY ("agent stopping"), which the
+    control plane's end reads as a stop, and serve_link returns; nothing is
+    logged as lost."""
+    codes: list[tuple[int, str | None]] = []
+    registered, hub_done = trio.Event(), trio.Event()
+
+    async def read_until_closed(ws: trio_websocket.WebSocketConnection) -> None:
+        while True:
+            await ws.get_message()
+
+    async def hub(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.get_message()  # Register
+        registered.set()
+        with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+            await read_until_closed(ws)
+        reason = closed.value.reason
+        assert reason is not None
+        codes.append((reason.code, reason.reason))
+        hub_done.set()
+
+    stop = trio.Event()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            url = await _serve(nursery, hub)
+            async with trio.open_nursery() as link:
+                link.start_soon(partial(serve_link, url, TOKEN, _handlers(_no_start), stop=stop))
+                await registered.wait()
+                stop.set()
+            # serve_link returned by itself: the inner nursery closed.
+            await hub_done.wait()
+            nursery.cancel_scope.cancel()
+    assert codes == [(session.GOING_AWAY, "agent stopping")]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    gc.collect()
+
+
+async def test_the_hub_logs_an_agent_that_stops_as_a_stop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ended = trio.Event()
+
+    async def on_link(link: session.Link) -> None:
+        try:
+            await session.await_register(link)
+            await link.receive()
+        finally:
+            ended.set()
+
+    with trio.fail_after(10), caplog.at_level(logging.INFO, logger="llmgw.agent.session"):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(session.serve_links, "127.0.0.1", 0, TOKEN, on_link)
+            async with session.connect(f"ws://127.0.0.1:{port}/agent", TOKEN, _register) as link:
+                await link.close(session.GOING_AWAY, "agent stopping")
+            # The hub logs as soon as on_link ends, before it checkpoints again.
+            await ended.wait()
+            nursery.cancel_scope.cancel()
+    [record] = [r for r in caplog.records if "closed" in r.getMessage()]
+    assert record.levelno == logging.INFO
+    assert record.getMessage().endswith("closed: the agent is stopping")
     gc.collect()

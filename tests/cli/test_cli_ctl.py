@@ -72,7 +72,13 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
     async with open_sqlite_store(data_dir / "llmgw.db") as store:
         cluster = Cluster()
         authenticator = KeyAuthenticator(store)
-        keys = KeysService(store, authenticator, ScopeResolver(store), AuthSettings())
+        keys = KeysService(
+            store,
+            authenticator,
+            ScopeResolver(store),
+            AuthSettings(),
+            bands=lambda: [band.name for band in cluster.settings.router.admission.bands],
+        )
         write_admin_token(data_dir / ADMIN_TOKEN_FILE, new_admin_token())
         token = AdminTokenFile(data_dir / ADMIN_TOKEN_FILE)
         live = LiveSettings(store, cluster)
@@ -169,7 +175,7 @@ async def test_config_set_then_get(running: Running) -> None:
     assert lines[0].split() == ["VERSION", "WHEN", "(UTC)", "WHO", "CHANGED", "NOTE"]
     assert "router.admission.bands" in lines[1]
     assert "admin token (" in lines[1]
-    assert "server.yaml" in lines[3]
+    assert "defaults" in lines[3]  # seeded with no settings file
 
 
 async def test_config_set_refuses_an_unknown_key(running: Running) -> None:
@@ -410,3 +416,43 @@ async def test_keys_rotate_admin_in_a_folder_without_a_token_makes_nothing(tmp_p
     assert "no admin token at" in result.stderr
     assert "'llmgw up' makes one" in result.stderr
     assert await trio.to_thread.run_sync(lambda: list(tmp_path.iterdir())) == []
+
+
+# --- names that do not exist ---------------------------------------------------------
+
+
+async def test_a_band_model_or_level_that_does_not_exist_is_refused_naming_those_there_are(
+    running: Running,
+) -> None:
+    """The admin API refuses it; the CLI prints its message and exits 1."""
+    await running.ok("ctl", "model", "add", "alpha", "--engine", "sim", "--min-memory-gb", "0.5")
+    refused = await running.run("keys", "create", "k", "--band", "nosuchband")
+    assert refused.exit_code == 1
+    assert refused.stderr == (
+        "Error: 400: No band 'nosuchband'; the bands are: bulk, interactive "
+        "(router.admission.bands).\n"
+    )
+    assert [k["name"] for k in (await running.json("keys", "list"))["data"]] == []
+
+    made = await running.json("keys", "create", "k", "--band", "bulk")
+    refused = await running.run(
+        "keys", "limits", "--scope", "key", "--id", made["id"], "--models", "alpha,beta"
+    )
+    assert refused.exit_code == 1
+    assert "No model 'beta' in the catalog; the models are: alpha." in refused.stderr
+    refused = await running.run("keys", "limits", "--scope", "org", "--id", "Nope", "--rpm", "1")
+    assert refused.exit_code == 1
+    assert "No org 'Nope'; the orgs are: default." in refused.stderr
+    refused = await running.run("keys", "revoke", "nokey")
+    assert "No key 'nokey'; the live keys are: " in refused.stderr
+
+    for command in (("ctl", "model", "scale", "beta", "1"), ("ctl", "model", "show", "beta")):
+        refused = await running.run(*command)
+        assert refused.exit_code == 1, command
+        assert "No model 'beta' in the catalog; the models are: alpha." in refused.stderr
+    refused = await running.run("ctl", "explain-placement", "beta")
+    assert "the models are: alpha" in refused.stderr
+
+    refused = await running.run("ctl", "config", "set", "router.admission.default_band", "gold")
+    assert refused.exit_code == 1
+    assert "no band 'gold'; the bands are: bulk, interactive" in refused.stderr

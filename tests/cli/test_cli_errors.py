@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import types
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from llmgw import errors
 from llmgw.cli import bench as bench_module
 from llmgw.cli.errors import ReportingGroup, first_leaf
 from llmgw.cli.main import cli
+from llmgw.cli.options import local_time, local_zone, show_times
 
 
 @pytest.mark.parametrize(
@@ -46,6 +48,45 @@ def test_an_error_of_the_tree_is_one_line_on_stderr_and_exit_1(exc: errors.Llmgw
     assert result.exit_code == 1
     assert result.stdout == "before\n"
     assert result.stderr == f"Error: {exc}\n"
+
+
+def test_an_error_without_text_still_says_what_it_is() -> None:
+    class Silent(errors.UpstreamError):
+        """The node did not answer in time."""
+
+    @click.group(cls=ReportingGroup)
+    def root() -> None:
+        pass
+
+    @root.command()
+    def fail() -> None:
+        raise Silent()
+
+    result = CliRunner().invoke(root, ["fail"])
+    assert result.exit_code == 1
+    assert result.stderr == "Error: Silent (the node did not answer in time)\n"
+
+
+def _commands(command: click.Command, path: tuple[str, ...]) -> list[tuple[str, click.Command]]:
+    found = [(" ".join(path), command)]
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            found += _commands(sub, (*path, name))
+    return found
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    """``llmgw … --help`` explains every option (``ctl model plan --slots`` did not)."""
+    missing = [
+        f"{path} {'/'.join(param.opts)}"
+        for path, command in _commands(cli, ("llmgw",))
+        for param in command.params
+        if isinstance(param, click.Option) and not param.hidden and not (param.help or "").strip()
+    ]
+    assert missing == []
+    # The walk reaches the nested groups, bench's included when installed.
+    paths = [path for path, _ in _commands(cli, ("llmgw",))]
+    assert "llmgw ctl model plan" in paths
 
 
 def test_other_errors_are_not_turned_into_messages() -> None:
@@ -124,3 +165,22 @@ def test_bench_does_not_hide_a_broken_bench_member(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr("importlib.import_module", broken)
     with pytest.raises(ModuleNotFoundError, match="numpy"):
         bench_module._bench_group()
+
+
+def test_times_are_local_dates_with_their_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TZ", "Europe/Paris")
+    time.tzset()
+    try:
+        at = 1796132320.346  # the figure `ctl request` showed as is
+        assert local_time(at) == "2026-12-01 14:38:40"
+        assert local_time(at, zone=True) == "2026-12-01 14:38:40 CET"
+        assert local_time(None) == "-"
+        assert show_times({"created_at": at, "status": 200, "revoked_at": None}) == {
+            "created_at": "2026-12-01 14:38:40 CET",
+            "status": 200,
+            "revoked_at": "-",
+        }
+        assert local_zone() == "CET"
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()

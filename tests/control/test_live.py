@@ -97,14 +97,48 @@ SEED = ServerSettings(on_demand=OnDemandSettings(evict_after_idle=45.0))
 
 
 async def start_loop(
-    nursery: trio.Nursery, fake: SettingsStore, cluster: Cluster, seed: ServerSettings = SEED
+    nursery: trio.Nursery,
+    fake: SettingsStore,
+    cluster: Cluster,
+    seed: ServerSettings = SEED,
+    source: str | None = "server.yaml",
 ) -> LiveSettings:
     live: LiveSettings = await nursery.start(
         lambda task_status: serve_settings(
-            cast(Store, fake), cluster, seed, task_status=task_status
+            cast(Store, fake), cluster, seed, seed_source=source, task_status=task_status
         )
     )
     return live
+
+
+async def test_the_log_says_where_the_settings_came_from(
+    autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seeded from the defaults (no file), from a named file, or loaded
+    from the store: each start says which, never a file that is not there."""
+    fake, cluster = SettingsStore(), Cluster()
+    with caplog.at_level(logging.INFO, logger="llmgw.control.live"):
+        async with trio.open_nursery() as nursery:
+            await start_loop(nursery, fake, cluster, ServerSettings(), source=None)
+            nursery.cancel_scope.cancel()
+        assert (
+            "settings seeded from the defaults, there being no settings file (version 1)"
+            in caplog.text
+        )
+        assert "server.yaml" not in caplog.text
+        assert fake.history[0].actor == "defaults"
+        caplog.clear()
+        async with trio.open_nursery() as nursery:
+            await start_loop(nursery, fake, Cluster(), ServerSettings(), source=None)
+            nursery.cancel_scope.cancel()
+        assert caplog.messages == ["settings loaded from the store (version 1)"]
+        caplog.clear()
+        other = SettingsStore()
+        async with trio.open_nursery() as nursery:
+            await start_loop(nursery, other, Cluster(), SEED, source="/etc/llmgw/server.yaml")
+            nursery.cancel_scope.cancel()
+        assert "settings seeded from /etc/llmgw/server.yaml (version 1)" in caplog.text
+        assert other.history[0].actor == "server.yaml"
 
 
 async def test_the_first_start_seeds_the_store_from_server_yaml(autojump_clock: Any) -> None:

@@ -138,7 +138,9 @@ def test_host_memory_refusal_quotes_need_free_total_and_replicas() -> None:
     assert verdict.figures["memory_free_gb"] == pytest.approx(7.5, abs=0.01)
     assert verdict.figures["replicas"] == 2
     smaller = _model(min_memory_gb=7.0)
-    assert place(smaller, _profile(smaller), cluster) == PlacementChoice(node_id="a")
+    chosen = place(smaller, _profile(smaller), cluster)
+    assert chosen is not None
+    assert chosen.node_id == "a"
 
 
 def test_cores_are_reserved_per_replica() -> None:
@@ -149,7 +151,7 @@ def test_cores_are_reserved_per_replica() -> None:
     [verdict] = explain(model, cluster)
     assert verdict.reason == "needs 8 CPU cores; 2 of 16 free after 1 replica"
     model = _model(cpu_cores=2)
-    assert place(model, _profile(model), cluster) == PlacementChoice(node_id="a")
+    assert place(model, _profile(model), cluster) == PlacementChoice(node_id="a", cpu_cores=2)
 
 
 def test_cordoned_draining_disconnected_unlabelled_and_engineless_nodes_are_refused() -> None:
@@ -274,12 +276,12 @@ def test_replicas_spread_over_nodes_and_the_roomiest_node_goes_first() -> None:
     cluster = Cluster()
     _node(cluster, "small", memory_gb=32.0)
     _node(cluster, "big", memory_gb=128.0)
-    model = _model(min_memory_gb=4.0)
+    model = _model(min_memory_gb=4.0, cpu_cores=1)
     first = place(model, _profile(model), cluster)
-    assert first == PlacementChoice(node_id="big")
-    _hold(cluster, "big", "m-0", memory_gb=4.0, model="m")
+    assert first == PlacementChoice(node_id="big", cpu_cores=1)
+    _hold(cluster, "big", "m-0", memory_gb=4.0, cores=1, model="m")
     # One replica of the model on "big" already: the next goes to "small".
-    assert place(model, _profile(model), cluster) == PlacementChoice(node_id="small")
+    assert place(model, _profile(model), cluster) == PlacementChoice(node_id="small", cpu_cores=1)
 
 
 def test_explain_covers_every_node_for_every_profile_and_is_json_ready() -> None:

@@ -17,6 +17,8 @@ import trio.testing
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
 from llmgw.control.cluster import Cluster, replica_fingerprint
+from llmgw.control.placement import explain
+from llmgw.control.planning import replica_cores
 from llmgw.control.reconciler import restart_delay_s, serve_reconciler, slot_profiles
 from llmgw.settings import (
     NodesSettings,
@@ -640,3 +642,43 @@ async def test_a_retiring_replica_finishes_its_requests_before_it_is_stopped(
         assert node.stops() == []  # its request is still being answered
         endpoint.in_flight = 0
         await _until(lambda: node.stops() == ["m-1"], within_s=2)
+
+
+async def test_a_llamacpp_replica_reserves_its_nodes_cores_and_a_roll_may_reuse_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A llama.cpp replica with no ``cpu_cores`` runs a thread per core: it
+    reserves all of its node's cores, and placement counts them (it said
+    "2 of 2 cores left after 1 replica"). Its successor in a rolling restart
+    may still use them while it loads."""
+    cluster = _cluster()
+    model = ModelRecord.simple(MODEL, "llamacpp", source="/w.gguf", min_memory_gb=1.0)
+    async with _rig(cluster, model) as rig:
+        rig.node("a", cpus=2)
+        await rig.start()
+        await _until(lambda: _ready(cluster) == ["m-0"])
+        assert cluster.shards["m-0"].cpu_cores == 2
+        [verdict] = explain(model, cluster)
+        assert not verdict.fits
+        assert verdict.reason == "needs 2 CPU cores; 0 of 2 free after 1 replica"
+        assert (verdict.figures["cores_need"], verdict.figures["cores_free"]) == (2, 0)
+        # A rolling restart on the same full node still goes through.
+        changed = ModelRecord.simple(
+            MODEL, "llamacpp", source="/w.gguf", min_memory_gb=1.0, args=("--flash-attn", "on")
+        )
+        rig.put(changed)
+        await _until(lambda: _ready(cluster) == ["m-0.g2"] and len(cluster.shards) == 1)
+        assert cluster.shards["m-0.g2"].cpu_cores == 2
+
+
+def test_the_cores_a_replica_reserves_are_the_cores_its_threads_use() -> None:
+    def cores(**fields: Any) -> int:
+        return replica_cores(Profile(**fields), 8, on_cards=False)
+
+    assert cores(engine="llamacpp") == 8  # llama.cpp's default: a thread per core
+    assert cores(engine="llamacpp", cpu_cores=3) == 3  # sent as --threads 3
+    assert cores(engine="llamacpp", args=("--threads", "4")) == 4
+    assert cores(engine="llamacpp", args=("-t", "2", "--flash-attn", "on")) == 2
+    assert cores(engine="llamacpp", args=("--threads=5",)) == 5
+    assert cores(engine="sim") == 0
+    assert replica_cores(Profile(engine="llamacpp"), 8, on_cards=True) == 0

@@ -4,6 +4,7 @@ model, scale it, change a live setting, stop and start the whole system."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -102,3 +103,36 @@ def test_a_user_adds_scales_configures_stops_and_starts_with_the_cli(start_up: A
     assert _ok(up, "start").startswith("started:")
     _wait_for(f"{FIRST} answers again", lambda: _chat(up, FIRST).status_code == 200, 60.0)
     assert _models(up)[SECOND]["replicas"]["wanted"] == 1
+
+
+def test_names_that_do_not_exist_are_refused_and_times_read_as_dates(start_up: Any) -> None:
+    """A newcomer's first commands against a real ``llmgw up``: an unknown
+    band or model is refused with the ones there are (nothing is made), and
+    ``ctl request`` shows its time as a local date (``--json`` keeps the
+    number)."""
+    up = start_up("--engine", "sim", "--model-name", FIRST)
+    up.wait_ready()
+    refused = up.cli("keys", "create", "k", "--band", "nosuchband")
+    assert refused.returncode == 1, refused.stdout
+    assert "No band 'nosuchband'; the bands are: bulk, interactive" in refused.stderr
+    keys = json.loads(_ok(up, "keys", "list", "--json"))["data"]
+    assert [k["name"] for k in keys if k["name"] == "k"] == []
+    made = json.loads(_ok(up, "keys", "create", "k", "--band", "bulk", "--json"))
+    refused = up.cli(
+        "keys", "limits", "--scope", "key", "--id", made["id"], "--models", f"{FIRST},nosuch"
+    )
+    assert refused.returncode == 1
+    assert f"No model 'nosuch' in the catalog; the models are: {FIRST}." in refused.stderr
+    refused = up.cli("ctl", "model", "scale", "nosuch", "2")
+    assert refused.returncode == 1
+    assert f"the models are: {FIRST}" in refused.stderr
+
+    answer = _chat(up, FIRST)
+    assert answer.status_code == 200
+    request_id = answer.headers["x-request-id"]
+    _wait_for("the usage row", lambda: up.cli("ctl", "request", request_id).returncode == 0)
+    lines = dict(line.split(None, 1) for line in _ok(up, "ctl", "request", request_id).splitlines())
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S+", lines["created_at"]), lines
+    row = json.loads(_ok(up, "ctl", "request", request_id, "--json"))
+    assert isinstance(row["created_at"], float)
+    assert abs(row["created_at"] - time.time()) < 600

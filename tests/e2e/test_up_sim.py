@@ -277,6 +277,19 @@ def test_sigint_stops_everything_and_frees_every_port_within_ten_seconds(
     assert up.process.returncode == 0, up.log()
     assert not (up.data_dir / "run.json").exists()
     assert "stopped" in up.log()
+    _logs_a_clean_stop(up.log())
+    # No server.yaml in the data directory: the log does not claim one.
+    assert "settings seeded from the defaults" in up.log()
+    assert "server.yaml" not in up.log()
+
+
+def _logs_a_clean_stop(log: str) -> None:
+    """A stop reads as a stop: the in-process agent's link ends as one (the
+    hub says so), nothing reads as a lost link or an error without text."""
+    stop = log[log.index("no new requests") :]
+    assert "closed: the agent is stopping" in stop, stop
+    for wrong in ("lost", "cannot reach", "HandshakeError", ": \n", "ABNORMAL"):
+        assert wrong not in stop, stop
 
 
 def test_a_first_start_prints_the_client_key_and_where_the_admin_token_is_and_a_second_reuses_them(
@@ -656,6 +669,8 @@ def test_a_stream_longer_than_the_stop_grace_ends_with_an_error_event_not_a_torn
     assert "stopping" in str(caught.value)
     up.process.wait(timeout=30)
     assert up.process.returncode == 0
+    # Cut at the end of the grace, the stop still reads as a stop.
+    _logs_a_clean_stop(up.log())
     # The cut answer is still recorded and charged for what was generated.
     with sqlite3.connect(up.data_dir / "llmgw.db") as db:
         rows = db.execute("SELECT status, completion_tokens FROM usage").fetchall()

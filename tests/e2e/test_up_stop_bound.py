@@ -98,6 +98,12 @@ def _stop_with_a_stream_in_flight(up: Any, procs: Any, model: str) -> None:
     # `llmgw up` reaped its engines before it exited.
     assert [p for p in engine_pids if procs.start_time(p) is not None] == [], up.log()
     assert [a for a in addresses if not _refused(a)] == [], up.log()
+    # Cut at the end of the grace, the stop still reads as a stop: the agent
+    # leaves before the hub closes (it said "link … lost: HandshakeError:").
+    stop = up.log()[up.log().index("no new requests") :]
+    assert "closed: the agent is stopping" in stop, stop
+    for wrong in ("lost", "cannot reach", "ABNORMAL"):
+        assert wrong not in stop, stop
 
 
 def test_the_bound_leaves_room_for_the_exit() -> None:

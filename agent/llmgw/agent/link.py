@@ -12,6 +12,10 @@ is answered with ``Error``.
 When the link fails (the keepalive notices a dead peer in about 8 s) the
 agent reconnects with exponential back-off and jitter (0.5 s doubling to
 15 s), reset once a session has been accepted by its control plane.
+
+A link given a ``stop`` event closes with "going away" once it is set (the
+control plane then logs a stop, not a lost link) and :func:`serve_link`
+returns.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from typing import Final, NoReturn
+from typing import Final
 
 import attrs
 import trio
@@ -84,68 +88,111 @@ async def serve_link(
     token: str,
     handlers: AgentHandlers,
     *,
+    stop: trio.Event | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> NoReturn:
-    """Keep a link to the control plane at ``url`` for as long as this runs.
+) -> None:
+    """Keep a link to the control plane at ``url`` until cancelled or ``stop``.
 
     Args:
         url: ``ws://host:port/agent`` (``wss://`` across machines).
         token: the agent token, sent as ``Authorization: Bearer``.
         handlers: the agent's side (see :class:`AgentHandlers`).
+        stop: once set, the link closes with ``GOING_AWAY`` ("agent
+            stopping", bounded by :data:`~llmgw.agent.session.CLOSE_TIMEOUT_S`)
+            and this returns.
 
     Returns:
-        Never returns unless cancelled. ``task_status.started()`` is called
-        at once: the link retries on its own and never fails its caller.
+        Once ``stop`` is set and the link is closed; never otherwise unless
+        cancelled. ``task_status.started()`` is called at once: the link
+        retries on its own and never fails its caller.
     """
     task_status.started()
+    if stop is None:
+        stop = trio.Event()  # never set
     backoff_s = BACKOFF_FIRST_S
-    while True:
+    # The control plane said it was stopping: until it is back, failing to
+    # reach it is expected, not a warning.
+    peer_stopped = False
+    while not stop.is_set():
         heard = False
+        connected = False
 
         def mark_heard() -> None:
             nonlocal heard
             heard = True
 
+        cause: BaseException | None = None
         try:
             async with session.connect(url, token, handlers.register) as link:
-                await _Session(link, handlers, mark_heard).run()
+                connected = True
+                peer_stopped = False
+                await _Session(link, handlers, mark_heard, stop).run()
         except* SESSION_ENDERS as group:
             cause = session.first_leaf(group)
-            if isinstance(cause, session.PeerStopping):
-                log.info("the control plane at %s is stopping; will reconnect", url)
-            else:
-                log.warning("link to %s lost: %s", url, _describe(cause))
         if heard:
             backoff_s = BACKOFF_FIRST_S
         delay_s = backoff_s * random.uniform(0.5, 1.0)
         backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
-        with trio.move_on_after(delay_s):
-            # Status changes while no session is up are dropped: the next
-            # Register carries the whole state.
-            async for _ in handlers.status_events:
-                pass
+        if isinstance(cause, session.PeerStopping):
+            peer_stopped = True
+            log.info("the control plane at %s is stopping; will reconnect", url)
+        elif cause is not None and not connected:
+            log.log(
+                logging.INFO if peer_stopped else logging.WARNING,
+                "cannot reach the control plane at %s (%s); trying again in %.1f s",
+                url,
+                _describe(cause),
+                delay_s,
+            )
+        elif cause is not None:
+            log.warning("link to %s lost: %s", url, _describe(cause))
+        async with trio.open_nursery() as waiting:
+            waiting.start_soon(_cancel_on, stop, waiting.cancel_scope)
+            with trio.move_on_after(delay_s):
+                # Status changes while no session is up are dropped: the next
+                # Register carries the whole state.
+                async for _ in handlers.status_events:
+                    pass
+            waiting.cancel_scope.cancel()
+
+
+async def _cancel_on(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 def _describe(exc: BaseException) -> str:
+    """Never empty: a link error's text, or another error's class and text."""
     if isinstance(exc, errors.LinkError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+        return errors.describe(exc)
+    text = errors.describe(exc)
+    return text if text.startswith(type(exc).__name__) else f"{type(exc).__name__}: {text}"
 
 
 class _Session:
     def __init__(
-        self, link: session.Link, handlers: AgentHandlers, mark_heard: Callable[[], None]
+        self,
+        link: session.Link,
+        handlers: AgentHandlers,
+        mark_heard: Callable[[], None],
+        stop: trio.Event,
     ) -> None:
         self._link = link
         self._h = handlers
         self._mark_heard = mark_heard
+        self._stop = stop
 
     async def run(self) -> None:
+        """Until the link fails (raises) or ``stop`` is set (returns, the
+        link closed as a stop)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._heartbeats)
             nursery.start_soon(self._link.keepalive)
             nursery.start_soon(self._relay_status)
-            await self._read(nursery)
+            nursery.start_soon(self._read, nursery)
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+        await self._link.close(session.GOING_AWAY, "agent stopping")
 
     async def _read(self, nursery: trio.Nursery) -> None:
         while True:

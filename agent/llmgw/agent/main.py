@@ -24,8 +24,9 @@ import os
 import random
 import signal
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import attrs
 import trio
@@ -50,6 +51,8 @@ STATUS_QUEUE_SIZE: Final = 256
 GPU_READ_INTERVAL_S: Final = 10.0
 #: How long one GPU reading may take, in seconds (5 s).
 GPU_READ_TIMEOUT_S: Final = 5.0
+#: How long a stopping agent gives its link to close as a stop, in seconds.
+STOP_LINK_S: Final = 2.0
 #: GPU readings older than this are not sent, in seconds (a minute).
 GPU_READING_MAX_AGE_S: Final = 60.0
 
@@ -76,6 +79,10 @@ class AgentConfig:
     engine_stop_grace_s: seconds an engine gets between SIGTERM and
         SIGKILL when it is stopped (:func:`~llmgw.agent.processes.stop_groups`;
         ``llmgw up`` gives less, its stop being bounded, ``docs/up.md``).
+    stop: set it to stop the agent: its link closes as a stop (the
+        control plane logs a stop, not a lost link), then its engines stop
+        (when it owns them) and :func:`serve_agent` returns. ``None``: the
+        agent runs until cancelled.
     """
 
     server_url: str
@@ -89,6 +96,7 @@ class AgentConfig:
     bandwidth_interval_s: float = 3600.0
     bandwidth_busy_cpus: float | None = None
     engine_stop_grace_s: float = STOP_GRACE_S
+    stop: trio.Event | None = None
 
 
 @attrs.define
@@ -105,15 +113,17 @@ class _Telemetry:
 
 async def serve_agent(
     config: AgentConfig, *, task_status: trio.TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED
-) -> NoReturn:
-    """Run the agent until cancelled.
+) -> None:
+    """Run the agent until cancelled, or until ``config.stop`` is set.
 
     Engines found running in the state directory are adopted before the
     first ``Register``, which lists them in ``running_shards``.
 
     Returns:
-        Never returns unless cancelled; ``task_status.started`` gets the
-        :class:`Supervisor` once it can take commands.
+        Once ``config.stop`` is set, the link closed and the engines
+        stopped (when it owns them); never otherwise unless cancelled.
+        ``task_status.started`` gets the :class:`Supervisor` once it can
+        take commands.
 
     Raises:
         StateDirBusy: another agent uses the state directory.
@@ -192,12 +202,15 @@ async def serve_agent(
     log.info("agent %s: state in %s", node_id, state_dir)
     async with trio.open_nursery() as nursery:
         await nursery.start(supervisor.serve)
-        await nursery.start(serve_link, config.server_url, config.token, handlers)
-        if config.measure_bandwidth:
-            nursery.start_soon(_serve_bandwidth, config, telemetry, hardware.cpu_count)
-        task_status.started(supervisor)
-        await trio.sleep_forever()
-    raise AssertionError("unreachable")
+        async with trio.open_nursery() as link_nursery:
+            # serve_link returns only once config.stop is set and the link closed.
+            await link_nursery.start(
+                partial(serve_link, config.server_url, config.token, handlers, stop=config.stop)
+            )
+            if config.measure_bandwidth:
+                nursery.start_soon(_serve_bandwidth, config, telemetry, hardware.cpu_count)
+            task_status.started(supervisor)
+        nursery.cancel_scope.cancel()
 
 
 async def run_agent(config: AgentConfig) -> None:
@@ -209,6 +222,8 @@ async def run_agent(config: AgentConfig) -> None:
         StateDirBusy: another agent uses the state directory.
         OSError: the state directory cannot be created.
     """
+    stop = trio.Event()
+    config = attrs.evolve(config, stop=stop)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_agent, config)
@@ -219,7 +234,9 @@ async def run_agent(config: AgentConfig) -> None:
                     "stop too" if config.owns_engines else "keep running",
                 )
                 break
-            nursery.cancel_scope.cancel()
+            # The link closes as a stop; what is left after that is cancelled.
+            stop.set()
+            nursery.cancel_scope.deadline = trio.current_time() + STOP_LINK_S
 
 
 async def _gpu_readings(telemetry: _Telemetry, has_gpus: bool) -> tuple[protocol.Gpu, ...]:

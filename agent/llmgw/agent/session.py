@@ -134,7 +134,17 @@ def _closed(exc: BaseException, peer: str) -> errors.LinkClosed:
         return errors.LinkClosed(f"closed ({reason})")
     if isinstance(exc, trio_websocket.ConnectionRejected):
         return errors.LinkClosed(f"rejected with HTTP {exc.status_code}")
-    return errors.LinkClosed(f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, trio_websocket.ConnectionTimeout):
+        return errors.LinkClosed(f"no websocket handshake within {CONNECT_TIMEOUT_S:g} s")
+    if isinstance(exc, trio_websocket.DisconnectionTimeout):
+        return errors.LinkClosed(f"no closing handshake within {DISCONNECT_TIMEOUT_S:g} s")
+    if isinstance(exc, trio_websocket.HandshakeError):
+        # Raised without text; the socket's own error is its cause.
+        return errors.LinkClosed(f"cannot connect: {errors.describe(exc.__cause__ or exc)}")
+    text = errors.describe(exc)
+    return errors.LinkClosed(
+        text if text.startswith(type(exc).__name__) else f"{type(exc).__name__}: {text}"
+    )
 
 
 class Link:
@@ -375,7 +385,11 @@ async def _serve_one(
             # agent does not take it for a broken link.
             await link.close(GOING_AWAY, "control plane stopping")
     except* errors.LinkError as group:
-        log.warning("link to %s closed: %s", name, first_leaf(group))
+        cause = first_leaf(group)
+        if isinstance(cause, PeerStopping):
+            log.info("link to %s closed: the agent is stopping", name)
+        else:
+            log.warning("link to %s closed: %s", name, cause)
 
 
 async def await_register(link: Link) -> protocol.Register:

@@ -187,10 +187,19 @@ def overhead_command(
 @click.option("--engine-key", default="", help="The engine's key.")
 @click.option("--model", required=True, help="The model name the engine serves.")
 @click.option(
-    "--mode", type=click.Choice(["bare", "accounted"]), default="accounted", show_default=True
+    "--mode",
+    type=click.Choice(["bare", "accounted"]),
+    default="accounted",
+    show_default=True,
+    help="bare: the key checked, no accounting; accounted: limits, budgets and usage rows too.",
 )
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT.")
-@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Where its store and usage journal go.",
+)
 def gateway_command(
     engine_url: str, engine_key: str, model: str, mode: str, listen: str, data_dir: Path
 ) -> None:

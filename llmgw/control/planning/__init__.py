@@ -30,6 +30,7 @@ from llmgw.control.planning.layouts import (
     estimate_for_file,
     plan,
     replica_bandwidth_gbps,
+    replica_cores,
     tp_fits_kv_heads,
 )
 from llmgw.control.planning.memory import (
@@ -70,6 +71,7 @@ __all__ = [
     "plan",
     "read_model_facts",
     "replica_bandwidth_gbps",
+    "replica_cores",
     "suggested_min_memory_gb",
     "tp_fits_kv_heads",
 ]

@@ -35,6 +35,7 @@ from llmgw.control.planning.memory import (
     usable_host_gib,
 )
 from llmgw.control.planning.model_files import ModelFacts, read_model_facts
+from llmgw.store import Profile
 
 __all__ = [
     "CPU_BANDWIDTH_EFFICIENCY",
@@ -46,6 +47,7 @@ __all__ = [
     "estimate_for_file",
     "plan",
     "replica_bandwidth_gbps",
+    "replica_cores",
     "tp_fits_kv_heads",
 ]
 
@@ -449,3 +451,35 @@ def estimate_for_file(
         machine_gbps = measured.machine_gbps if machine_gbps is None else machine_gbps
     bandwidth = replica_bandwidth_gbps(threads, core_gbps, machine_gbps)
     return cpu_tokens_per_second(facts.active_weights_bytes, bandwidth)
+
+
+def _threads_arg(args: tuple[str, ...] | list[str]) -> int | None:
+    """The thread count of llama.cpp arguments (``--threads N``, ``-t N``,
+    ``--threads=N``), or None."""
+    for at, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name not in ("--threads", "-t"):
+            continue
+        if not eq:
+            value = args[at + 1] if at + 1 < len(args) else ""
+        if value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def replica_cores(profile: Profile, cpu_count: int, *, on_cards: bool) -> int:
+    """The cores one replica of ``profile`` reserves on a node of
+    ``cpu_count`` cores: the cores its threads use (``llmgw.control.placement``, Cores).
+
+    Args:
+        on_cards: the replica runs on GPUs (its layers there, not on the cores).
+    """
+    if profile.cpu_cores > 0:
+        return profile.cpu_cores
+    if profile.engine != "llamacpp":
+        return 0
+    threads = _threads_arg(tuple(profile.args))
+    if threads is not None:
+        return threads
+    # llama.cpp's default: a thread per core, all of them busy while it answers.
+    return 0 if on_cards else max(cpu_count, 0)
