@@ -351,17 +351,18 @@ async def test_the_real_probe_waits_while_the_starter_model_answers(
                 httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client,
                 trio.open_nursery() as nursery,
             ):
-                streamed = {**long_answer, "stream": True}
+                # 400 tokens, read to the end (breaking out of httpx's
+                # stream leaves its inner generators to the collector).
+                streamed = {**long_answer, "n_predict": 400, "stream": True}
                 async with client.stream("POST", "/completion", json=streamed) as answer:
                     lines = answer.aiter_lines()
                     await anext(lines)  # the first token: the answer is streaming
                     nursery.start_soon(probe)
-                    tokens = 0
+                    tokens = 1
                     async for line in lines:
                         tokens += line.startswith("data: ")
-                        if tokens >= 400:
-                            break
                     # 400 tokens streamed, many windows: the probe never started.
+                    assert tokens >= 400
                     assert not started.is_set()
                 # The stream is closed: llama.cpp stops generating.
                 with trio.move_on_after(30):

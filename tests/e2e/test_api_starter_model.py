@@ -46,7 +46,10 @@ def claude(up: Any) -> Iterator[anthropic.Anthropic]:
 
 def test_chat_streamed_and_not(up: Any, client: openai.OpenAI) -> None:
     ask: list[Any] = [{"role": "user", "content": "Name three rivers."}]
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=ask, max_tokens=12)
+    # Greedy, so never an answer that stops at once (as sampling may give).
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=ask, max_tokens=12, temperature=0
+    )
     assert raw.headers["x-llmgw-replica"] == f"{MODEL}-0"
     answer = raw.parse()
     assert answer.choices[0].message.content
@@ -59,6 +62,7 @@ def test_chat_streamed_and_not(up: Any, client: openai.OpenAI) -> None:
             model=MODEL,
             messages=ask,
             max_tokens=12,
+            temperature=0,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -117,9 +121,12 @@ def test_embeddings_in_floats_and_base64(up: Any, client: openai.OpenAI) -> None
 
 
 def test_anthropic_messages_streamed_and_not(up: Any, claude: anthropic.Anthropic) -> None:
+    # Greedy: at the default temperature the starter model may stop at once
+    # (an empty answer) now and then.
     message = claude.messages.create(
         model=MODEL,
         max_tokens=12,
+        extra_body={"temperature": 0},
         system="Answer briefly.",
         messages=[{"role": "user", "content": "Name three rivers."}],
     )
@@ -132,7 +139,10 @@ def test_anthropic_messages_streamed_and_not(up: Any, claude: anthropic.Anthropi
     assert message.usage.input_tokens > 0
 
     with claude.messages.stream(
-        model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Name three rivers."}]
+        model=MODEL,
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Name three rivers."}],
     ) as stream:
         request_id = stream.response.headers["x-request-id"]
         text = "".join(stream.text_stream)

@@ -291,8 +291,12 @@ def _ready_ids(cluster: Cluster, model: str) -> set[str]:
 
 
 def _chat(client: openai.OpenAI, model: str, max_tokens: int = 4) -> tuple[int, str]:
+    # Greedy: sampled, the starter model may stop at once (an empty answer).
     raw = client.chat.completions.with_raw_response.create(
-        model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=max_tokens
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=max_tokens,
+        temperature=0,
     )
     completion = raw.parse()
     return raw.status_code, completion.choices[0].message.content or ""

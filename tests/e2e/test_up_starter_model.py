@@ -33,6 +33,7 @@ def test_the_starter_model_streams_an_answer_with_usage_through_the_openai_clien
                 model=MODEL,
                 messages=[{"role": "user", "content": "Name three rivers."}],
                 max_tokens=16,
+                temperature=0,  # sampled, it may stop at once
                 stream=True,
                 stream_options={"include_usage": True},
             )
