@@ -27,7 +27,7 @@ from llmgw.accounting.accountant import Accountant
 from llmgw.asgi import Message, Receive, Scope, Send, cancel_on_disconnect
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
-from llmgw.errors import LlmgwError, Refused, StoreError
+from llmgw.errors import LlmgwError, Refused, StoreError, describe
 from llmgw.router.router import ClusterView, Route, Router
 from llmgw.router.scoring import PROFILES
 from llmgw.settings import ServerSettings
@@ -189,7 +189,7 @@ class Completions:
                 try:
                     path, scope_ids = await resolver.path(key)
                 except StoreError as exc:
-                    log.error("cannot read a key's limits: %s", exc)
+                    log.error("cannot read a key's limits: %s", describe(exc))
                     raise
                 try:
                     reservation = accountant.check(

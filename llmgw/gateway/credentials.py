@@ -6,7 +6,7 @@ import logging
 
 from llmgw.asgi import Scope
 from llmgw.auth.keys import KeyAuthenticator
-from llmgw.errors import StoreError
+from llmgw.errors import StoreError, describe
 from llmgw.store import KeyRecord
 
 from .errors import unauthorized
@@ -41,5 +41,5 @@ async def authenticate(authenticator: KeyAuthenticator, scope: Scope) -> KeyReco
     try:
         return await authenticator.check(secret.strip())
     except StoreError as exc:
-        log.error("cannot check a key: %s", exc)
+        log.error("cannot check a key: %s", describe(exc))
         raise

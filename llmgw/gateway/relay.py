@@ -26,6 +26,7 @@ import orjson
 import trio
 
 from llmgw.asgi import Send
+from llmgw.errors import describe
 from llmgw.router.endpoint import Endpoint
 from llmgw.router.router import Attempt, EndpointLost, Route
 from llmgw.settings import ServerSettings
@@ -301,7 +302,7 @@ class Relay:
             if status == 200 and keep is not None:
                 self._caching.keep(keep, content_type[1], data, stream=False)
         except UpstreamError as exc:
-            log.warning("answer from %s broke off: %s", endpoint.label, exc)
+            log.warning("answer from %s broke off: %s", endpoint.label, describe(exc))
             outcome.finish(502)
 
     async def _relay_stream(

@@ -118,14 +118,14 @@ class UpstreamResponse:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
                 raise UpstreamError(
-                    f"bad answer from engine: {exc}", before_response=False
+                    f"bad answer from engine: {errors.describe(exc)}", before_response=False
                 ) from exc
             if event is h11.NEED_DATA:
                 try:
                     data = await connection.stream.receive_some(READ_SIZE)
                 except (trio.BrokenResourceError, OSError) as exc:
                     raise UpstreamError(
-                        f"engine connection broke: {exc}", before_response=False
+                        f"engine connection broke: {errors.describe(exc)}", before_response=False
                     ) from exc
                 conn.receive_data(data)
                 continue
@@ -288,7 +288,8 @@ class UpstreamPool:
             tcp = await trio.open_tcp_stream(self.host, self.port)
         except OSError as exc:
             raise UpstreamError(
-                f"cannot connect to {self.host}:{self.port}: {exc}", before_response=True
+                f"cannot connect to {self.host}:{self.port}: {errors.describe(exc)}",
+                before_response=True,
             ) from exc
         if self._ssl_context is None:
             return tcp
@@ -333,10 +334,14 @@ class UpstreamPool:
                     raise _Stale("engine closed the connection before answering")
                 # h11.InformationalResponse (100 Continue …): keep reading.
         except (trio.BrokenResourceError, OSError) as exc:
-            raise _Stale(f"engine connection broke before answering: {exc}") from exc
+            raise _Stale(
+                f"engine connection broke before answering: {errors.describe(exc)}"
+            ) from exc
         except (h11.RemoteProtocolError, h11.LocalProtocolError) as exc:
             await _close(connection)
-            raise UpstreamError(f"bad answer from engine: {exc}", before_response=True) from exc
+            raise UpstreamError(
+                f"bad answer from engine: {errors.describe(exc)}", before_response=True
+            ) from exc
         except BaseException:
             await _close(connection)
             raise
