@@ -159,7 +159,8 @@ class RateLimited(Refused):
         if requested > limit:
             message = (
                 f"Request too large for {scope} on {kind} per min ({unit}): "
-                f"Limit {limit}, Requested {requested}. Ask for fewer tokens (max_tokens)."
+                f"Limit {limit}, Requested {requested}. Retrying will not help: "
+                "send a shorter prompt or ask for fewer tokens (max_tokens)."
             )
         super().__init__(429, "rate_limit_exceeded", message, retry_after_s, scope)
         self.type = kind  # OpenAI's error type is "requests" or "tokens"

@@ -482,3 +482,15 @@ def test_an_empty_path_is_a_programming_error() -> None:
 def test_scope_limits_must_be_whole_numbers_at_least_zero(bad: object) -> None:
     with pytest.raises((TypeError, ValueError)):
         ScopeLimits("key:k", rpm=bad)  # type: ignore[arg-type]
+
+
+def test_a_request_larger_than_the_limit_says_retrying_will_not_help() -> None:
+    """A prompt alone over the tokens limit (a 30 MB body) can never pass:
+    the message says so and names both causes, not only max_tokens."""
+    refused = RateLimited("key:k1", "tokens", 200_000, 0, 15_728_649, 60)
+    assert refused.status == 429
+    assert "Limit 200000, Requested 15728649" in str(refused)
+    assert "Retrying will not help" in str(refused)
+    assert "shorter prompt" in str(refused)
+    within = RateLimited("key:k1", "tokens", 200_000, 199_000, 5_000, 12)
+    assert "Please try again in 12s." in str(within)
