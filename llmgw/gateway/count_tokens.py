@@ -266,7 +266,7 @@ class TokenCounter:
         """
         pool = self._relay.pool(endpoint)
         headers = [
-            (b"authorization", endpoint.authorization),
+            *endpoint.auth_headers,
             (b"content-type", b"application/json"),
         ]
         response = await pool.request(

@@ -174,7 +174,7 @@ class Relay:
         endpoint = attempt.endpoint
         path = endpoint.path_prefix.encode() + UPSTREAM_PATH[request.kind]
         headers = [
-            (b"authorization", endpoint.authorization),
+            *endpoint.auth_headers,
             (b"content-type", b"application/json"),
             (b"x-request-id", request.request_id.encode()),
         ]

@@ -12,6 +12,8 @@ ASGI subset: ``http`` scopes (``method``, ``path``, ``raw_path``,
 ``query_string``, ``headers``, ``client``, ``server``); ``receive`` yields
 ``http.request`` messages, then ``http.disconnect`` once the client has
 gone; ``send`` takes ``http.response.start`` and ``http.response.body``.
+For a HEAD request the app answers as for GET and the server sends the
+status and headers (Content-Length included) without the body.
 Sending after the client has gone is silently dropped, as hypercorn does.
 An app that raises before it began its answer gets 500 ``internal_error``
 in the path's error shape (:func:`llmgw.gateway.errors.error_body_on`).
@@ -156,6 +158,7 @@ class _Connection:
             "client": self.client,
             "server": self.server,
         }
+        head = request.method == b"HEAD"
         body_done = False
         response_started = False
         response_done = False
@@ -202,7 +205,9 @@ class _Connection:
                 )
             elif kind == "http.response.body":
                 body = message.get("body", b"")
-                if body:
+                # HEAD: the app answers as for GET (its status, headers and
+                # Content-Length); the body is dropped here, as HTTP asks.
+                if body and not head:
                     await self._send(h11.Data(data=body))
                 if not message.get("more_body", False):
                     response_done = True

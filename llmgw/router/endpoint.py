@@ -114,9 +114,12 @@ class Endpoint:
         return f"{scheme}://{_url_host(self.host)}:{self.port}{self.path_prefix}"
 
     @property
-    def authorization(self) -> bytes:
-        """The ``Authorization`` header value for this engine."""
-        return f"Bearer {self.api_key}".encode()
+    def auth_headers(self) -> list[tuple[bytes, bytes]]:
+        """The headers that carry this engine's key: ``[(b"authorization",
+        b"Bearer <key>")]``, or none at all for an engine without a key (an
+        empty or blank :attr:`api_key`), never an empty ``Bearer``."""
+        key = self.api_key.strip()
+        return [(b"authorization", f"Bearer {key}".encode())] if key else []
 
 
 def _url_host(address: str) -> str:

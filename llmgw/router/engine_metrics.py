@@ -94,7 +94,7 @@ async def scrape_once(client: httpx.AsyncClient, endpoints: Iterable[Endpoint]) 
             try:
                 response = await client.get(
                     f"{endpoint.base_url}/metrics",
-                    headers={"authorization": endpoint.authorization.decode()},
+                    headers={k.decode(): v.decode() for k, v in endpoint.auth_headers},
                 )
                 if response.status_code == 200:
                     ratio = kv_free_ratio(response.text)

@@ -4,6 +4,7 @@ run, over a real catalog, store, accountant and ``Cluster``."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -539,3 +540,92 @@ async def test_a_gateway_fault_is_a_500_in_the_paths_shape() -> None:
             else:
                 assert doc["error"]["code"] == "internal_error"
         stop.set()
+
+
+async def _exchange(port: int, head: str) -> bytes:
+    """Send request heads (the last with ``connection: close``); every byte answered, to EOF."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(head.encode())
+        data = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+    return data
+
+
+def _status_and_headers(data: bytes) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    headers = {}
+    for line in lines:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers, body
+
+
+async def test_head_is_answered_with_gets_status_and_headers_and_no_body(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+        address = await nursery.start(serve_http1, rig.gateway, "127.0.0.1:0", stop, 1.0)
+        port = int(address.rsplit(":", 1)[1])
+        key = f"authorization: Bearer {rig.secret}\r\n"
+        for path in ("/health", "/ready", "/leader", "/v1/models"):
+            request = f"{{}} {path} HTTP/1.1\r\nhost: x\r\n{key}connection: close\r\n\r\n"
+            got_status, got_headers, got_body = _status_and_headers(
+                await _exchange(port, request.format("GET"))
+            )
+            head_status, head_headers, head_body = _status_and_headers(
+                await _exchange(port, request.format("HEAD"))
+            )
+            assert got_status.startswith(b"HTTP/1.1 200"), (path, got_status)
+            assert int(got_headers[b"content-length"]) == len(got_body) > 0
+            got_headers.pop(b"date", None)
+            head_headers.pop(b"date", None)
+            assert (head_status, head_headers) == (got_status, got_headers), path
+            assert head_body == b"", path
+        # On one kept-alive connection a HEAD's answer leaves the next answer whole.
+        data = await _exchange(
+            port,
+            "HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n"
+            "GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        )
+        first, _, rest = data.partition(b"\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 200")
+        assert rest.startswith(b"HTTP/1.1 200")
+        assert rest.endswith(b'\r\n\r\n{"status":"ok"}')
+        stop.set()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+
+
+async def test_an_engine_without_a_key_is_sent_no_authorization_header(rig: Rig) -> None:
+    keyless = SimEngine(SimConfig(model="sim-model", tokens=3, tokens_per_second=0, tick_ms=0))
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def recording(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            seen.append(list(scope["headers"]))
+        await keyless(scope, receive, send)
+
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+        address = await nursery.start(serve_http1, recording, "127.0.0.1:0", stop, 1.0)
+        endpoint = rig.cluster.endpoints["sim-model"][0]
+        endpoint.port = int(address.rsplit(":", 1)[1])
+        for no_key in ("", " "):
+            endpoint.api_key = no_key
+            for path, body in (
+                ("/v1/chat/completions", {"model": "sim", "messages": ASK, "max_tokens": 2}),
+                ("/v1/messages", {"model": "sim-model", "messages": ASK, "max_tokens": 2}),
+                ("/v1/messages/count_tokens", {"model": "sim-model", "messages": ASK}),
+            ):
+                got = await rig.call("POST", path, body)
+                assert got.status == 200, (path, got.body)
+            assert endpoint.auth_headers == []
+        stop.set()
+    assert len(seen) >= 6
+    assert all(name != b"authorization" for headers in seen for name, _ in headers)

@@ -57,7 +57,7 @@ def test_one_endpoint_per_key_named_by_position_with_its_weight(tmp_path: Path) 
     assert (first.host, first.port, first.path_prefix) == ("api.example.com", 443, "/v1beta")
     assert first.model == "gpt"
     assert first.slots == 0
-    assert first.authorization == b"Bearer sk-a"
+    assert first.auth_headers == [(b"authorization", b"Bearer sk-a")]
 
 
 def test_a_key_replaced_on_disk_takes_effect_on_refresh_in_the_same_endpoint(

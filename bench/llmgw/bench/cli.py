@@ -184,7 +184,11 @@ def overhead_command(
 
 @bench.command("gateway")
 @click.option("--engine-url", required=True, help="The engine, http://HOST:PORT.")
-@click.option("--engine-key", default="", help="The engine's key.")
+@click.option(
+    "--engine-key",
+    default="",
+    help="The engine's key; empty (the default) sends none, for an engine without a key.",
+)
 @click.option("--model", required=True, help="The model name the engine serves.")
 @click.option(
     "--mode",
