@@ -80,6 +80,7 @@ async def serve_leadership(
         Never returns unless cancelled.
     """
     started = False
+    waiting_said = False
 
     def ready() -> None:
         nonlocal started
@@ -97,11 +98,22 @@ async def serve_leadership(
             await trio.sleep(1)
             continue
         if lease is None:
+            if not waiting_said:
+                # Said once per wait: with one store, the holder is a run
+                # that ended without giving the lease up (killed).
+                waiting_said = True
+                log.info(
+                    "the leader lease is held by another control plane (with one store: "
+                    "a previous run that did not stop cleanly); waiting for it to expire "
+                    "(up to %g s) before answering requests",
+                    LEASE_TTL_S,
+                )
             cluster.set_leader(False)
             ready()
             await trio.sleep(LEASE_TTL_S / 3)
             continue
         cluster.set_leader(True)
+        waiting_said = False
         log.info("leading (lease epoch %d)", lease.epoch)
         async with trio.open_nursery() as leading:
             await leading.start(serve_reconciler, store, cluster, engine_ports)

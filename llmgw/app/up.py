@@ -20,7 +20,13 @@ so as it goes:
    the agent starts its engine. With ``--no-agent`` (``UpOptions.agent``
    false) no agent runs here: a separate ``llmgw agent --server
    ws://<agent hub>/agent --token-file DATA_DIR/agent-token`` joins instead;
-5. says "ready in N s" once the model answers (``GET /ready`` is 200).
+5. says "ready in N s" once a request for the model would be answered:
+   leading (what ``GET /ready`` asks), the model in the catalog and a
+   READY replica of it.
+
+Before any of it, a ``--model`` that is not a GGUF file and, before the
+store and the model's check, a listen address that cannot be bound are
+refused in one line (:func:`check_listeners`).
 
 SIGINT or SIGTERM: stop taking requests, let those in flight finish (grace
 10 s), then stop the engines of the agent run here (a separate agent's
@@ -29,17 +35,20 @@ usage rows are flushed, and exit. The whole stop is bounded: it returns
 within the grace plus :data:`STOP_AFTER_GRACE_S`, whatever is in flight.
 A second signal, 2 s or more after the first, stops at once (one Ctrl-C
 often arrives twice: the terminal signals the process group and ``uv run``
-forwards it).
+forwards it); the first signal's line says so, and one sooner is said to
+be too soon.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Final
@@ -49,12 +58,12 @@ import trio
 
 from llmgw import errors
 from llmgw.agent.main import AgentConfig, serve_agent
-from llmgw.agent.protocol import ShardState
 from llmgw.control.cluster import Cluster
 from llmgw.settings import ServerSettings, load_settings
 from llmgw.store import ModelRecord, open_store
 
 from .control_plane import Addresses, ServerConfig, serve_control_plane
+from .listen import split_address
 from .up_files import (
     RUN_FILE,
     ensure_admin_token,
@@ -64,10 +73,10 @@ from .up_files import (
     write_agent_token,
     write_run_file,
 )
-from .up_models import Say, model_records, set_catalog
+from .up_models import Say, check_model_file, model_records, set_catalog
 from .up_prices import first_start_prices, names_default_price
 
-__all__ = ["UpError", "UpOptions", "run_up"]
+__all__ = ["UpError", "UpOptions", "check_listeners", "run_up"]
 
 log = logging.getLogger("llmgw.up")
 
@@ -124,12 +133,14 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
         WeightsMismatch: the starter model's digest is not the published one
             (the file has been deleted).
         FileNotFoundError: ``--model`` names no file.
+        InvalidInput: ``--model`` is not a GGUF file (llama.cpp).
+        UpError: a listen address cannot be bound (a port in use, …).
         ValueError: a bad option (an engine argument that is refused, …).
     """
     started = trio.current_time()
-    if options.model is not None and not options.model.expanduser().is_file():
+    if options.model is not None:
         # Checked before anything is written: a bad start leaves nothing behind.
-        raise FileNotFoundError(f"--model {options.model}: no such file")
+        check_model_file(options.engine, options.model)
     data_dir = options.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     config_path = options.config
@@ -140,6 +151,9 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
         say(f"settings from {config_path}")
     price_given = names_default_price(config_path)
     with _DataDirLock(data_dir):
+        # Before the slow work (the starter model's check, the store): a
+        # port taken by another llmgw is said at once, naming the option.
+        check_listeners(options)
         models = await model_records(options, data_dir, say)
         source = None if config_path is None else str(config_path)
         await _run_locked(options, settings, price_given, source, data_dir, models, started, say)
@@ -271,6 +285,55 @@ class UpError(errors.StartupError):
     """``llmgw up`` cannot start; the message says why and what to do."""
 
 
+def check_listeners(options: UpOptions) -> None:
+    """Bind (and close at once) a socket on each listen address of
+    ``options`` with a fixed port (port 0 is any free one, never taken), as
+    the listeners do (``SO_REUSEADDR``), so a port in use is refused before
+    anything starts.
+
+    Raises:
+        UpError: one line naming the first address that cannot be bound,
+            what listens there, the reason and the option that changes it,
+            e.g. ``cannot listen on 127.0.0.1:8080 (client API): address
+            already in use; is another llmgw running? Use --listen HOST:PORT``.
+    """
+    listeners = (
+        (options.listen, "client API", "--listen"),
+        (options.admin_listen, "admin API", "--admin-listen"),
+        (options.metrics_listen, "metrics", "--metrics-listen"),
+        (options.agent_listen, "agents' hub", "--agent-listen"),
+    )
+    for address, what, option in listeners:
+        try:
+            host, port = split_address(address)
+        except ValueError:
+            raise UpError(f"{option} {address}: not HOST:PORT") from None
+        if port == 0:
+            continue
+        reason = _cannot_bind(host, port)
+        if reason is not None:
+            raise UpError(f"cannot listen on {address} ({what}): {reason} Use {option} HOST:PORT")
+
+
+def _cannot_bind(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound for TCP (a sentence, its stop
+    included), or ``None`` when it can."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"unknown host ({exc.strerror})."
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "address already in use; is another llmgw running?"
+            return f"{(exc.strerror or errors.describe(exc)).lower()}."
+    return None
+
+
 class _DataDirLock:
     """An exclusive lock on ``DATA_DIR/llmgw.lock`` for as long as ``up`` runs,
     so two ``llmgw up`` never share one store."""
@@ -307,20 +370,53 @@ SAME_SIGNAL_WITHIN_S: Final = 2.0
 async def _serve_signals(
     stop: trio.Event, hard: trio.CancelScope, say: Say, grace_s: float
 ) -> None:
+    """Set ``stop`` at the first SIGINT or SIGTERM, saying how the stop goes
+    and how to hurry it; cancel ``hard`` at a second one
+    :data:`SAME_SIGNAL_WITHIN_S` or more after the first. One sooner is
+    taken as the same signal delivered twice, and said so once."""
     first_at = 0.0
+    too_soon_said = False
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
+            name = signal.Signals(signum).name
+            again = "Ctrl-C" if signum == signal.SIGINT else name
             if not stop.is_set():
                 say(
-                    f"{signal.Signals(signum).name}: no new requests; "
-                    f"finishing those in flight (up to {grace_s:.0f} s); signal again to stop now"
+                    f"{name}: stopping: no new requests; those in flight get up to "
+                    f"{grace_s:g} s; {again} again (after {SAME_SIGNAL_WITHIN_S:g} s) stops at once"
                 )
                 first_at = trio.current_time()
                 stop.set()
-            elif trio.current_time() - first_at >= SAME_SIGNAL_WITHIN_S:
-                say("second signal: stopping now")
+                continue
+            since_s = trio.current_time() - first_at
+            if since_s >= SAME_SIGNAL_WITHIN_S:
+                say(f"second {name}: stopping now")
                 hard.cancel()
                 return
+            if not too_soon_said:
+                too_soon_said = True
+                say(
+                    f"{name} {since_s:.1f} s after the first: too soon, taken as the same one "
+                    f"(a terminal and `uv run` may both deliver it); to stop at once, {again} "
+                    f"again {SAME_SIGNAL_WITHIN_S:g} s or more after the first"
+                )
+
+
+def _answers(cluster: Cluster, model: str) -> bool:
+    """Whether a request for ``model`` would be answered now: the control
+    plane is ready (leading, as ``GET /ready`` asks), has the model in its
+    catalog and a READY replica of it to send the request to."""
+    return (
+        cluster.is_leader
+        and cluster.any_ready()
+        and model in cluster.models
+        and bool(cluster.ready_endpoints(model))
+    )
+
+
+#: How often :func:`_report_progress` looks again without a change of the
+#: cluster (taking the lease or reading the catalog pokes nobody), in seconds.
+PROGRESS_POLL_S: Final = 0.2
 
 
 async def _report_progress(
@@ -331,13 +427,13 @@ async def _report_progress(
     started: float,
     say: Say,
 ) -> None:
+    """Say "ready in N s" once a request for ``model`` would be answered
+    (:func:`_answers`), then when it stops and starts being so again."""
     ready_said = False
     banner_said = False
     while True:
         changed = cluster.changed
-        ready = any(
-            s.state is ShardState.READY for s in cluster.shards.values() if s.model == model
-        )
+        ready = _answers(cluster, model)
         if ready and not ready_said:
             ready_said = True
             if banner_said:
@@ -355,4 +451,5 @@ async def _report_progress(
                 )
         elif not ready:
             ready_said = False
-        await changed.wait()
+        with trio.move_on_after(PROGRESS_POLL_S):
+            await changed.wait()

