@@ -36,7 +36,13 @@ from llmgw.store import KeyRecord
 from . import anthropic, responses
 from .caching import Caching
 from .credentials import authenticate
-from .errors import ApiError, api_error, bad_request, error_body_for, system_stopped
+from .errors import (
+    api_error,
+    bad_request,
+    error_body_for,
+    model_not_found,
+    system_stopped,
+)
 from .http import answer, header
 from .parse import (
     ESTIMATE_KIND,
@@ -163,12 +169,7 @@ class Completions:
             stream = doc.get("stream") is True
             model = self._router.resolve(doc["model"])
             if model is None:
-                raise ApiError(
-                    404,
-                    f"The model '{doc['model']}' does not exist",
-                    code="model_not_found",
-                    param="model",
-                )
+                raise model_not_found(doc["model"])
             model_name = model.name
             check_for_model(doc, model, kind)
             asked = header(scope, b"x-llmgw-profile")

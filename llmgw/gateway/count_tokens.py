@@ -55,6 +55,7 @@ from .errors import (
     bad_request,
     engine_error,
     error_body_for,
+    model_not_found,
     system_stopped,
 )
 from .http import answer
@@ -124,12 +125,7 @@ class TokenCounter:
             chat = anthropic.request_to_chat(parse_body(raw, "messages"), counting=True)
             model = self._router.resolve(chat["model"])
             if model is None:
-                raise ApiError(
-                    404,
-                    f"The model '{chat['model']}' does not exist",
-                    code="model_not_found",
-                    param="model",
-                )
+                raise model_not_found(chat["model"])
             check_for_model(chat, model, "messages")
             if model.external is not None:
                 raise bad_request(

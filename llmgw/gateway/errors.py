@@ -239,6 +239,13 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, type="invalid_request_error", code="invalid_request", param=param)
 
 
+def model_not_found(name: str) -> ApiError:
+    """404 ``model_not_found``: no model or alias is called ``name``."""
+    return ApiError(
+        404, f"The model '{name}' does not exist", code="model_not_found", param="model"
+    )
+
+
 def system_stopped() -> ApiError:
     """503 ``system_stopped``: an administrator stopped serving (``llmgw stop``)."""
     return ApiError(
