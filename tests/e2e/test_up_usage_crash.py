@@ -5,10 +5,12 @@ usage row (``docs/up.md``, "Usage that survives a crash")."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sqlite3
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,11 +171,7 @@ def test_rows_wait_in_the_journal_while_the_store_is_locked_and_survive_a_kill(
     data = tmp_path / "data"
     up, key = _up_with_a_key(start_up, data, "locked-test")
     ports = f"{up.engine_ports[0]}-{up.engine_ports[1]}"
-    # Another process holds SQLite's write lock: every write of llmgw's
-    # fails ("database is locked", after its retries). Reads still work (WAL).
-    lock = sqlite3.connect(data / "llmgw.db", timeout=30, isolation_level=None)
-    lock.execute("BEGIN EXCLUSIVE")
-    try:
+    with _store_locked(data) as lock:
         with Load(up.base_url, key) as load:
             up.wait_for(lambda: load.count() >= 60, 120, "60 answers")
             up.wait_for(lambda: "usage rows not written" in up.log(), 60, "the writer failing")
@@ -184,9 +182,6 @@ def test_rows_wait_in_the_journal_while_the_store_is_locked_and_survive_a_kill(
         ended = set(load.ended)
         stored = {r[0] for r in lock.execute("SELECT request_id FROM usage")}
         assert ended - stored, "the lock did not keep rows out of the store"
-    finally:
-        lock.execute("ROLLBACK")
-        lock.close()
     up = _restarted(start_up, data, ports)
     _wait_stored(up, data, ended)
     up.stop()
@@ -201,9 +196,7 @@ def test_a_stop_with_the_store_locked_is_bounded_and_leaves_the_rows_in_the_jour
     data = tmp_path / "data"
     up, key = _up_with_a_key(start_up, data, "locked-stop")
     ports = f"{up.engine_ports[0]}-{up.engine_ports[1]}"
-    lock = sqlite3.connect(data / "llmgw.db", timeout=30, isolation_level=None)
-    lock.execute("BEGIN EXCLUSIVE")
-    try:
+    with _store_locked(data):
         with Load(up.base_url, key) as load:
             up.wait_for(lambda: load.count() >= 30, 120, "30 answers")
             up.wait_for(lambda: "usage rows not written" in up.log(), 60, "the writer failing")
@@ -212,12 +205,23 @@ def test_a_stop_with_the_store_locked_is_bounded_and_leaves_the_rows_in_the_jour
         assert up.process.returncode == 0, up.log()
         assert "usage rows left in the journal at shutdown" in up.log()
         ended = set(load.ended)
-    finally:
-        lock.execute("ROLLBACK")
-        lock.close()
     up = _restarted(start_up, data, ports)
     _wait_stored(up, data, ended)
     up.stop()
+
+
+@contextlib.contextmanager
+def _store_locked(data_dir: Path) -> Iterator[sqlite3.Connection]:
+    """Another process's hold on SQLite's write lock for the block: every
+    write of llmgw's fails ("database is locked", after its retries); reads
+    still work (WAL). Yields that connection."""
+    lock = sqlite3.connect(data_dir / "llmgw.db", timeout=30, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        yield lock
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
 
 
 def _stored_rows(data_dir: Path, ids: set[str]) -> dict[str, tuple[int, int]]:
