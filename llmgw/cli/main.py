@@ -8,6 +8,7 @@ registered.
   ``llmgw stop|start|status`` (:mod:`.serving`) are clients of the admin API
   (address and admin token found in the data directory); each takes
   ``--json``;
+- ``llmgw doctor`` checks this node (:mod:`.doctor`);
 - ``llmgw bench …`` when the benchmarks are installed (:mod:`.bench`).
 
 Errors are reported as :mod:`.errors` says. Each group's module is imported
@@ -37,6 +38,7 @@ COMMANDS: Final = {
     "agent": ("agent", "agent"),
     "bench": ("bench", "bench"),
     "ctl": ("ctl", "ctl"),
+    "doctor": ("doctor", "doctor"),
     "engine": ("engine", "engine"),
     "keys": ("keys", "keys"),
     "start": ("serving", "start"),
