@@ -9,12 +9,14 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from functools import partial
 from pathlib import Path
 
 import attrs
+import pynvml
 import pytest
 import trio
 
@@ -124,6 +126,42 @@ def test_nvidia_pci_cards_counts_gpus_only(tmp_path: Path) -> None:
     (tmp_path / "0000:99:00.0").mkdir()  # unreadable: skipped
     assert doctor.nvidia_pci_cards(tmp_path) == 2
     assert doctor.nvidia_pci_cards(tmp_path / "missing") == 0
+
+
+def test_probe_gpus_keeps_nvmls_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver that is installed but not loaded: no cards, and NVML's words."""
+
+    def not_loaded() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", not_loaded)
+    gpus, driver, reason = doctor.probe_gpus()
+    assert (gpus, driver) == ((), "")
+    assert reason == "Driver Not Loaded"
+
+
+async def test_a_stuck_driver_fails_the_gpu_line_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """NVML that never answers: the line fails at gpu_timeout_s, the rest is reported."""
+    release = threading.Event()
+
+    def stuck() -> tuple[tuple[Gpu, ...], str, str]:
+        release.wait(30)
+        return (), "", ""
+
+    monkeypatch.setattr(doctor, "probe_gpus", stuck)
+    try:
+        with trio.fail_after(30):
+            results = await doctor.run_doctor(DoctorConfig(weights_dir=tmp_path, gpu_timeout_s=0.2))
+    finally:
+        release.set()
+    gpu = results[2]
+    assert gpu.name == "gpu"
+    assert gpu.status == "fail"
+    assert gpu.found == "NVML did not answer within 0.2 s"
+    assert "Xid" in gpu.fix
+    assert len(results) == 6
 
 
 @pytest.mark.parametrize(
