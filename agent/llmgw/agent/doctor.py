@@ -222,7 +222,7 @@ def cpu_result(cpus: int, arch: str, flags: Collection[str]) -> CheckResult:
         shown = [
             n for f, n in (("avx2", "AVX2"), ("fma", "FMA"), ("avx512f", "AVX-512F")) if f in have
         ]
-        found = f"{cpus} {plural}, " + (" ".join(shown) if shown else "no AVX2, FMA or AVX-512")
+        found = f"{cpus} {plural}, " + (" ".join(shown) if shown else "none of AVX2 FMA AVX-512F")
         if "avx2" in have:
             return CheckResult("cpu", "ok", found)
         if "hypervisor" in have:
@@ -236,7 +236,7 @@ def cpu_result(cpus: int, arch: str, flags: Collection[str]) -> CheckResult:
                 "this CPU has no AVX2 and llama.cpp runs about 5x slower on it: "
                 "serve CPU models from a newer machine"
             )
-        return CheckResult("cpu", "warn", found + " (AVX2 missing)", fix)
+        return CheckResult("cpu", "warn", found + (", no AVX2" if shown else ""), fix)
     if arch in ("aarch64", "arm64"):
         shown = [n for f, n in (("asimd", "NEON"), ("sve", "SVE"), ("sve2", "SVE2")) if f in have]
         return CheckResult("cpu", "ok", f"{cpus} {plural}, " + (" ".join(shown) or "no NEON"))
