@@ -53,7 +53,7 @@ def systemd_unit(config_path: Path) -> str:
 
 @click.command("join")
 @click.argument("code")
-@data_dir_option()
+@data_dir_option("Where the node's agent.yaml and tls/ are written.")
 @click.option("--node-id", default="", help="This node's id (default: the host name).")
 @click.option(
     "--address",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import ssl
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from cryptography.x509.oid import NameOID
 
 from llmgw import errors
 from llmgw.agent import protocol
+from llmgw.agent.join import JoinFailed, join_cluster
 from llmgw.agent.joincode import JoinCode
 from llmgw.control.ca import ClusterCA
 from llmgw.control.cluster import Cluster
@@ -265,3 +267,29 @@ def test_reachable_hosts_put_advertised_names_first_and_loopback_last() -> None:
         "wss://10.0.0.5:7443/agent",
         "wss://[fd00::1]:7443/agent",
     ]
+
+
+async def test_a_node_refuses_a_certificate_that_does_not_name_the_address_dialled(
+    tmp_path: Path,
+) -> None:
+    """The join port at 127.0.0.2, which the certificate does not name (no --advertise)."""
+    async with open_sqlite_store(tmp_path / "s.db") as store:
+        ca = ClusterCA.load_or_create(tmp_path / "ca", [])
+        service = JoinService(ca, store, Cluster(), servers=[])
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(serve_join, "127.0.0.2", 0, service)
+            made = await service.make_code(expires_s=60)
+            assert service.addresses == (f"127.0.0.2:{bound}",)
+            with pytest.raises(JoinFailed) as refused:
+                await trio.to_thread.run_sync(
+                    partial(
+                        join_cluster, JoinCode.decode(made.code), tmp_path / "node", node_id="n"
+                    )
+                )
+            nursery.cancel_scope.cancel()
+    assert str(refused.value).startswith(
+        f"the control plane at 127.0.0.2:{bound} presents a certificate that does not verify "
+        "for 127.0.0.2"
+    )
+    assert str(refused.value).endswith("start it with --advertise 127.0.0.2")
+    assert not (tmp_path / "node" / "agent.yaml").exists()
