@@ -29,11 +29,13 @@ from llmgw.admin.keys import KeysService
 from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, AdminTokenFile
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
+from llmgw.control.ca import ClusterCA, server_names
 from llmgw.control.cluster import Cluster
 from llmgw.control.hub import serve_agent_hub
+from llmgw.control.join import JoinService, hub_urls, reachable_hosts, serve_join
 from llmgw.control.live import LiveSettings, serve_settings
 from llmgw.control.reconciler import PortRange
-from llmgw.errors import StoreError
+from llmgw.errors import StartupError, StoreError
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
 from llmgw.router.engine_metrics import serve_engine_metrics
@@ -72,6 +74,11 @@ class ServerConfig:
     #: Where weights, the usage journal and the admin token (``admin-token``)
     #: live; ``None`` = the SQLite store's folder.
     data_dir: Path | None = None
+    #: Where the join server listens (``llmgw server``); ``None`` = none (``llmgw up``).
+    join_listen: str | None = None
+    #: Extra names or addresses of this machine for its certificate, put
+    #: first in join codes (``llmgw server --advertise``).
+    advertise: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -84,6 +91,8 @@ class Addresses:
     metrics: str
     agent_hub: str
     agent_token: str
+    #: The join port (``host:port``); ``""`` when there is none.
+    join: str = ""
 
     @property
     def base_url(self) -> str:
@@ -172,7 +181,10 @@ async def serve_control_plane(
     # The admin API opens to the token in DATA_DIR/admin-token only (no data
     # directory: to nothing).
     admin_token = AdminTokenFile(data_dir / ADMIN_TOKEN_FILE if data_dir is not None else None)
-    admin = make_admin_app(store, cluster, admin_token, keys_service, live=live, data_dir=data_dir)
+    join = _join_service(config, store, cluster, data_dir)
+    admin = make_admin_app(
+        store, cluster, admin_token, keys_service, live=live, data_dir=data_dir, join=join
+    )
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
     holder = lease_holder()
 
@@ -198,6 +210,14 @@ async def serve_control_plane(
         bound_hub_port = await services.start(
             serve_agent_hub, hub_host, hub_port, agent_token, cluster
         )
+        join_address = ""
+        if join is not None and config.join_listen is not None:
+            join.servers = hub_urls(reachable_hosts(hub_host, config.advertise), bound_hub_port)
+            join_host, join_port = split_address(config.join_listen)
+            bound_join_port = await services.start(
+                partial(serve_join, join_host, join_port, join, advertise=config.advertise)
+            )
+            join_address = f"{join_host}:{bound_join_port}"
         await services.start(serve_leadership, store, cluster, holder, config.engine_ports)
         # The replicas' KV-cache usage, for the long-context routing profile.
         await services.start(serve_engine_metrics, cluster)
@@ -214,6 +234,7 @@ async def serve_control_plane(
                     metrics=metrics_address,
                     agent_hub=f"{hub_host}:{bound_hub_port}",
                     agent_token=agent_token,
+                    join=join_address,
                 )
             )
             # The listeners return once `stop` is set and their requests are done.
@@ -228,3 +249,23 @@ async def serve_control_plane(
         services.cancel_scope.cancel()
     if journal is not None:
         journal.close()
+
+
+def _join_service(
+    config: ServerConfig, store: Store, cluster: Cluster, data_dir: Path | None
+) -> JoinService | None:
+    """The join service when ``config`` has a join port, over the cluster CA
+    in ``DATA_DIR/ca`` (made on the first start).
+
+    Raises:
+        StartupError: a join port without a data directory, or a CA that
+            cannot be made or read.
+    """
+    if config.join_listen is None:
+        return None
+    if data_dir is None:
+        raise StartupError(
+            "a join port needs a data directory: the cluster CA lives in DATA_DIR/ca"
+        )
+    ca = ClusterCA.load_or_create(data_dir / "ca", server_names(config.advertise))
+    return JoinService(ca, store, cluster, servers=())

@@ -9,6 +9,8 @@ registered.
   (address and admin token found in the data directory); each takes
   ``--json``;
 - ``llmgw doctor`` checks this node (:mod:`.doctor`);
+- ``llmgw node add`` prints a join code (:mod:`.node`, a client of the
+  admin API); ``llmgw join CODE`` joins this machine to a cluster (:mod:`.join`);
 - ``llmgw bench …`` when the benchmarks are installed (:mod:`.bench`).
 
 Errors are reported as :mod:`.errors` says. Each group's module is imported
@@ -40,7 +42,9 @@ COMMANDS: Final = {
     "ctl": ("ctl", "ctl"),
     "doctor": ("doctor", "doctor"),
     "engine": ("engine", "engine"),
+    "join": ("join", "join"),
     "keys": ("keys", "keys"),
+    "node": ("node", "node"),
     "start": ("serving", "start"),
     "status": ("serving", "status"),
     "stop": ("serving", "stop"),
