@@ -56,6 +56,8 @@ CUT_S = 20.0
 #: Watcher samples wanted after node b is back, to see that nothing flaps.
 SAMPLES_AFTER = 20
 CHATS = 8
+#: Where the control plane listens in machine a (the defaults of ``llmgw server``).
+PORTS = {"api": 8080, "admin": 9090, "metrics": 9091, "agents": 7443}
 
 #: Run in machine a: the admin API's nodes and replicas every half second,
 #: one JSON line each, until SIGTERM.
@@ -194,12 +196,16 @@ def _node(sample: dict[str, Any], node_id: str) -> dict[str, Any]:
     return found
 
 
-def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_back(
-    network: netns.Network,
-) -> None:
-    a, b, c = network["a"], network["b"], network["c"]
-    ports = {"api": 8080, "admin": 9090, "metrics": 9091, "agents": 7443}
-    control_plane = a.start(
+def _start_control_plane(a: netns.Machine) -> netns.Process:
+    """The control plane alone in machine ``a``: client API and agents' hub
+    on its bridge address, admin API and metrics on its own 127.0.0.1
+    (:data:`PORTS`), the sim model :data:`MODEL` (one replica) in its
+    catalog; returned once its ``run.json`` is written.
+
+    Today ``llmgw up --no-agent --engine sim``; with ``llmgw server`` this is
+    the one place to change (and the model then added with ``ctl model add``).
+    """
+    process = a.start(
         "llmgw-up",
         _llmgw(
             "up",
@@ -211,46 +217,70 @@ def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_b
             "--data-dir",
             str(a.data_dir),
             "--listen",
-            f"{a.address}:{ports['api']}",
+            f"{a.address}:{PORTS['api']}",
             "--admin-listen",
-            f"127.0.0.1:{ports['admin']}",
+            f"127.0.0.1:{PORTS['admin']}",
             "--metrics-listen",
-            f"127.0.0.1:{ports['metrics']}",
+            f"127.0.0.1:{PORTS['metrics']}",
             "--agent-listen",
-            f"{a.address}:{ports['agents']}",
+            f"{a.address}:{PORTS['agents']}",
         ),
     )
     netns.wait_for(
-        lambda: (a.data_dir / "run.json").exists() or not control_plane.running(),
+        lambda: (a.data_dir / "run.json").exists() or not process.running(),
         DEADLINE_S,
         "the control plane's run.json",
     )
-    assert control_plane.running(), control_plane.log()
+    assert process.running(), process.log()
+    return process
 
+
+def _start_node(
+    a: netns.Machine, machine: netns.Machine, node_id: str
+) -> tuple[netns.Process, Path]:
+    """A node ``node_id`` in ``machine``, reaching the control plane in ``a``
+    over the bridge: its agent process and its state directory (the shard
+    files, ``shards/*.json``).
+
+    Today ``llmgw agent --server ws://<a>:7443/agent --token-file F`` with
+    the agent token copied over as by hand; with join codes, ``llmgw join
+    CODE --data-dir <machine's> --node-id node_id`` with the code from
+    ``llmgw node add --json`` run in ``a`` (the state directory is then
+    ``DIR/agent``).
+    """
+    token_file = machine.root / "agent-token"
+    shutil.copyfile(a.data_dir / "agent-token", token_file)
+    token_file.chmod(0o600)
+    state_dir = machine.home / "agent-state"
+    process = machine.start(
+        "llmgw-agent",
+        _llmgw(
+            "agent",
+            "--server",
+            f"ws://{a.address}:{PORTS['agents']}/agent",
+            "--token-file",
+            str(token_file),
+            "--node-id",
+            node_id,
+            "--state-dir",
+            str(state_dir),
+        ),
+    )
+    return process, state_dir
+
+
+def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_back(
+    network: netns.Network,
+) -> None:
+    a, b, c = network["a"], network["b"], network["c"]
+    control_plane = _start_control_plane(a)
     agents: dict[str, netns.Process] = {}
     state_dirs: dict[str, Path] = {}
 
     def start_agent(machine: netns.Machine, node_id: str) -> float:
-        """Start ``node_id``'s agent in ``machine``; the wall-clock time it started."""
-        token_file = machine.root / "agent-token"  # copied over, as by hand
-        shutil.copyfile(a.data_dir / "agent-token", token_file)
-        token_file.chmod(0o600)
-        state_dirs[node_id] = machine.home / "agent-state"
+        """Start ``node_id`` in ``machine``; the wall-clock time it started."""
         started = time.time()
-        agents[node_id] = machine.start(
-            "llmgw-agent",
-            _llmgw(
-                "agent",
-                "--server",
-                f"ws://{a.address}:{ports['agents']}/agent",
-                "--token-file",
-                str(token_file),
-                "--node-id",
-                node_id,
-                "--state-dir",
-                str(state_dirs[node_id]),
-            ),
-        )
+        agents[node_id], state_dirs[node_id] = _start_node(a, machine, node_id)
         return started
 
     def first_ready_on(node_id: str) -> float:
@@ -330,7 +360,7 @@ def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_b
         the replicas, and every replica answered."""
         chat = a.python(
             CHAT,
-            f"http://{a.address}:{ports['api']}/v1",
+            f"http://{a.address}:{PORTS['api']}/v1",
             client_key,
             MODEL,
             str(CHATS),
