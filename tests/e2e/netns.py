@@ -433,7 +433,13 @@ def machines(root: Path, names: Sequence[str] = ("a", "b", "c")) -> Iterator[Net
     """
     network = Network(names, root)
     try:
-        network.build()
+        try:
+            network.build()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"{exc} (namespaces and bridges need CAP_SYS_ADMIN and CAP_NET_ADMIN: "
+                "in a container, run it with --privileged)"
+            ) from None
         yield network
     except BaseException:
         network.print_logs()

@@ -19,6 +19,9 @@ another's loopback, so whatever the gateway answers came over the bridge.
    replica changes state while its node's link is up (a watcher in ``a``
    reads the admin API every half second throughout).
 
+The harness's own promises (isolation, removal) are checked by a quick
+test beside it, not marked slow.
+
 Also printed, not asserted: the seconds from starting node ``b``'s agent to
 its first replica READY.
 """
@@ -29,6 +32,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -42,8 +46,6 @@ if TYPE_CHECKING:
     from tests.e2e import netns
 else:  # tests is no package: pytest puts this folder on sys.path
     import netns
-
-pytestmark = pytest.mark.slow
 
 MODEL = "sim-net"
 REPLICAS = 4
@@ -269,6 +271,71 @@ def _start_node(
     return process, state_dir
 
 
+#: Run in a machine: listen on argv[1]:argv[2], answer one connection with
+#: b"pong", exit.
+LISTEN_ONCE = """
+import socket, sys
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+connection, _ = server.accept()
+connection.sendall(b"pong")
+connection.close()
+"""
+#: Run in a machine: connect to argv[1]:argv[2] (2 s at most) and print what
+#: came, or the error's class name.
+CONNECT = """
+import socket, sys
+try:
+    with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2) as s:
+        print(s.recv(4).decode())
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+def test_machines_reach_each_other_only_over_the_bridge(tmp_path: Path) -> None:
+    """The harness itself: a reaches b's bridge address, not b's loopback;
+    the host reaches neither; everything is gone after the block, the
+    processes left running in the machines too."""
+    if reason := netns.skip_reason():
+        pytest.skip(reason)
+    port = 7000
+    with netns.machines(tmp_path, ("a", "b")) as network:
+        a, b = network["a"], network["b"]
+        assert a.address != b.address
+        assert a.address.rsplit(".", 1)[0] == b.address.rsplit(".", 1)[0] == network.subnet
+        # b's loopback is its own: a reaches its own, where nothing listens.
+        on_loopback = b.start(
+            "loopback", [sys.executable, "-c", LISTEN_ONCE, "127.0.0.1", str(port)]
+        )
+        netns.wait_for(lambda: "listening" in on_loopback.log(), 30, "b listening on 127.0.0.1")
+        assert a.python(CONNECT, "127.0.0.1", str(port)).stdout.strip() == "ConnectionRefusedError"
+        on_bridge = b.start("bridge", [sys.executable, "-c", LISTEN_ONCE, b.address, str(port + 1)])
+        netns.wait_for(lambda: "listening" in on_bridge.log(), 30, "b listening on its address")
+        assert (b.address, port + 1) in b.listening()
+        # The host has no address on the bridge, so no way in.
+        host = subprocess.run(
+            [sys.executable, "-c", CONNECT, b.address, str(port + 1)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert host.stdout.strip() != "pong", "the host reached a machine"
+        assert a.python(CONNECT, b.address, str(port + 1)).stdout.strip() == "pong"
+        left_running = b.start("sleeper", ["sleep", "3600"])
+        assert left_running.pid in b.pids()
+        names = [m.netns for m in network.machines]
+    assert left_running.popen.poll() is not None, "a process outlived its machine"
+    assert on_loopback.popen.poll() is not None
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    assert not set(names) & {line.split()[0] for line in listed.stdout.splitlines() if line}
+    links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True, check=True)
+    assert network.bridge not in links.stdout
+    assert f"lgw{network.tag}" not in links.stdout
+
+
+@pytest.mark.slow
 def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_back(
     network: netns.Network,
 ) -> None:
