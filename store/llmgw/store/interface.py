@@ -1,13 +1,14 @@
 """The ``Store`` protocol: every query llmgw makes is a named method here.
 
-Both backends (SQLite now, PostgreSQL later) implement it and pass the same
-contract suite (``tests/store/``). Methods are async: implementations run
+Both backends, SQLite and PostgreSQL (``docs/store.md``), implement it and
+pass the same contract suite (``tests/store/``). Methods are async: implementations run
 their blocking database calls in worker threads under their own
 ``trio.CapacityLimiter`` so the event loop never blocks.
 
 Errors: a method raises :class:`StoreError` (or a subclass) when the database
 fails; :class:`Conflict` when a unique value (a key hash, a model name) is
-already taken.
+already taken; :class:`Fenced` when a write fenced by a lease comes from a
+holder that lost it.
 """
 
 from __future__ import annotations
