@@ -13,12 +13,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import psycopg
 import pytest
 import trio
 from psycopg.conninfo import conninfo_to_dict
 
-from llmgw.store import PostgresStore, StoreError, UsageRow, open_store
+from llmgw.store import Conflict, KeyRecord, PostgresStore, StoreError, UsageRow, open_store
 from llmgw.store.postgres import (
     CONNECT_TIMEOUT_S,
     TCP_USER_TIMEOUT_MS,
@@ -278,3 +279,33 @@ async def test_a_large_usage_batch_is_written_fast_and_exactly_once(postgres_db:
     assert summary[0].requests == 5_002
     assert summary[0].cost_micros == 3 * 5_002
     assert summary[0].errors == 501
+
+
+async def test_two_control_planes_writing_overlapping_batches_count_each_row_once(
+    postgres_db: str,
+) -> None:
+    rows = [_row(i) for i in range(2_000)]
+    async with (
+        open_postgres_store(postgres_db) as first,
+        open_postgres_store(postgres_db) as second,
+        trio.open_nursery() as nursery,
+    ):
+        # Each sends every row, in its own batches and order, at once.
+        for start in range(0, 2_000, 250):
+            nursery.start_soon(first.insert_usage, rows[start : start + 250])
+            nursery.start_soon(second.insert_usage, rows[::-1][start : start + 250])
+    async with open_postgres_store(postgres_db) as store:
+        summary = await store.usage_summary("key", T0 - 3_600, None)
+        exported = await store.export_usage(T0 - 3_600, None, limit=5_000)
+    assert sum(s.requests for s in summary) == 2_000
+    assert sum(s.cost_micros for s in summary) == 3 * 2_000
+    assert sorted(r.request_id for r in exported) == sorted(r.request_id for r in rows)
+
+
+async def test_a_conflict_names_the_constraint_not_the_value(postgres_db: str) -> None:
+    key = KeyRecord(id="key_1", name="k", key_hash="ab" * 32, prefix="sk-", created_at=1.0)
+    async with open_postgres_store(postgres_db) as store:
+        await store.insert_key(key)
+        with pytest.raises(Conflict, match="keys_key_hash_key") as refused:
+            await store.insert_key(attrs.evolve(key, id="key_2"))
+    assert "ab" * 32 not in str(refused.value)

@@ -265,7 +265,8 @@ class Store(Protocol):
         deleted. The roll-ups keep their sums. Moves the pruning horizon to
         ``before`` (never back) when a row is deleted. ``ValueError`` when
         ``limit`` < 1. With ``fence``, see the leases section: :class:`Fenced`
-        when that lease moved on.
+        when that lease moved on (a call that finds nothing to delete
+        returns 0 without looking at the lease).
         """
         ...
 

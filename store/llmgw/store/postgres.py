@@ -687,7 +687,9 @@ async def _call(fn: Callable[[], _T], limiter: trio.CapacityLimiter, where: str)
             delay_s *= 2
             attempt += 1
         except psycopg.errors.UniqueViolation as exc:
-            raise Conflict(str(exc).strip()) from exc
+            # The primary message names the constraint, not the values (a
+            # key's hash stays out of messages).
+            raise Conflict(exc.diag.message_primary or "a unique value is already taken") from exc
         except psycopg.errors.LockNotAvailable as exc:
             raise StoreError(
                 f"PostgreSQL store {where}: waited {LOCK_TIMEOUT_S:g} s for a lock another "
