@@ -19,7 +19,16 @@ import pytest
 import trio
 from psycopg.conninfo import conninfo_to_dict
 
-from llmgw.store import Conflict, KeyRecord, PostgresStore, StoreError, UsageRow, open_store
+from llmgw.store import (
+    Conflict,
+    Fenced,
+    KeyRecord,
+    ModelRecord,
+    PostgresStore,
+    StoreError,
+    UsageRow,
+    open_store,
+)
 from llmgw.store.postgres import (
     CONNECT_TIMEOUT_S,
     TCP_USER_TIMEOUT_MS,
@@ -309,3 +318,39 @@ async def test_a_conflict_names_the_constraint_not_the_value(postgres_db: str) -
         with pytest.raises(Conflict, match="keys_key_hash_key") as refused:
             await store.insert_key(attrs.evolve(key, id="key_2"))
     assert "ab" * 32 not in str(refused.value)
+
+
+# --- fencing under contention ----------------------------------------------------
+
+
+async def test_a_takeover_waits_for_a_fenced_write_already_checked(postgres_db: str) -> None:
+    async with open_postgres_store(postgres_db) as store:
+        old = await store.acquire_lease("leader", "cp-a", ttl_s=10.0, now=1_000.0)
+        assert old is not None
+        done: list[str] = []
+
+        async def write() -> None:
+            await store.put_model(ModelRecord.simple("m", "sim"), fence=old)
+            done.append("write")
+
+        async def take_over() -> None:
+            new = await store.acquire_lease("leader", "cp-b", ttl_s=10.0, now=1_011.0)
+            assert new is not None
+            assert new.epoch == 2
+            done.append("takeover")
+
+        # Another session holds the models table: the fenced write has
+        # checked its lease (and holds the lease row) but cannot finish.
+        with psycopg.connect(postgres_db) as blocker:
+            blocker.execute("LOCK TABLE models IN EXCLUSIVE MODE")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(write)
+                await trio.sleep(0.5)
+                nursery.start_soon(take_over)
+                await trio.sleep(0.5)
+                assert done == []  # the takeover waits for the write
+                blocker.rollback()
+        assert done == ["write", "takeover"]
+        assert await store.get_model("m") is not None
+        with pytest.raises(Fenced):
+            await store.delete_model("m", fence=old)
