@@ -1008,11 +1008,73 @@ def _usage_pruned_before(conn: _Conn) -> float | None:
     return None if row is None or row["pruned_before"] is None else float(row["pruned_before"])
 
 
+def _store_usage(conn: _Conn, batch: list[UsageRow]) -> None:
+    """Inside the batch's transaction: insert the rows not stored yet and
+    add those into the roll-ups."""
+    values = [
+        (
+            r.request_id,
+            r.created_at,
+            r.key_id,
+            r.model,
+            r.status,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.completion_tokens,
+            r.duration_ms,
+            r.ttft_ms,
+            r.replica_id,
+            r.stream,
+            r.endpoint,
+            r.project_id,
+            r.team_id,
+            r.org_id,
+            r.served_model,
+            r.images,
+            r.meshes,
+            r.cost_micros,
+            r.cache_hit,
+        )
+        for r in batch
+    ]
+    new = {
+        row["request_id"]
+        for row in conn.execute(_INSERT_USAGE, _columns(values, len(_USAGE_TYPES))).fetchall()
+    }
+    levels: tuple[dict[tuple[int, _Group], list[int]], ...] = ({}, {}, {})
+    months: dict[int, int] = {}
+    for r in batch:
+        if r.request_id not in new:
+            continue
+        group = (r.key_id, r.served_model or r.model, r.project_id, r.team_id, r.org_id)
+        adds = (
+            1,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.completion_tokens,
+            r.cost_micros,
+            int(r.status >= ERROR_STATUS),
+        )
+        day = day_of(r.created_at)
+        month = months.get(day)
+        if month is None:
+            month = months[day] = month_of(day)
+        for sums_of, period in zip(levels, (hour_of(r.created_at), day, month), strict=True):
+            sums = sums_of.setdefault((period, group), [0] * 6)
+            for i, add in enumerate(adds):
+                sums[i] += add
+    for sql, sums_of in zip(_ADD_ROLLUPS, levels, strict=True):
+        if not sums_of:
+            continue
+        # Sorted, so two writers lock the roll-up rows in one order.
+        items = [(at, *g, *sums) for (at, g), sums in sorted(sums_of.items())]
+        conn.execute(sql, _columns(items, 12))
+
+
 def _insert_usage(conn: _Conn, *, rows: list[UsageRow]) -> None:
     unique: dict[str, UsageRow] = {}
     for r in rows:
         unique.setdefault(r.request_id, r)
-    too_old = 0
     with conn.transaction():
         # FOR SHARE: a prune (which updates this row) waits for this batch,
         # or this batch for the prune and then sees its horizon.
@@ -1022,66 +1084,8 @@ def _insert_usage(conn: _Conn, *, rows: list[UsageRow]) -> None:
         horizon = None if found is None else found["pruned_before"]
         batch = [r for r in unique.values() if horizon is None or r.created_at >= horizon]
         too_old = len(unique) - len(batch)
-        if not batch:
-            return
-        values = [
-            (
-                r.request_id,
-                r.created_at,
-                r.key_id,
-                r.model,
-                r.status,
-                r.prompt_tokens,
-                r.cached_tokens,
-                r.completion_tokens,
-                r.duration_ms,
-                r.ttft_ms,
-                r.replica_id,
-                r.stream,
-                r.endpoint,
-                r.project_id,
-                r.team_id,
-                r.org_id,
-                r.served_model,
-                r.images,
-                r.meshes,
-                r.cost_micros,
-                r.cache_hit,
-            )
-            for r in batch
-        ]
-        new = {
-            row["request_id"]
-            for row in conn.execute(_INSERT_USAGE, _columns(values, len(_USAGE_TYPES))).fetchall()
-        }
-        levels: tuple[dict[tuple[int, _Group], list[int]], ...] = ({}, {}, {})
-        months: dict[int, int] = {}
-        for r in batch:
-            if r.request_id not in new:
-                continue
-            group = (r.key_id, r.served_model or r.model, r.project_id, r.team_id, r.org_id)
-            adds = (
-                1,
-                r.prompt_tokens,
-                r.cached_tokens,
-                r.completion_tokens,
-                r.cost_micros,
-                int(r.status >= ERROR_STATUS),
-            )
-            day = day_of(r.created_at)
-            month = months.get(day)
-            if month is None:
-                month = months[day] = month_of(day)
-            for sums_of, period in zip(levels, (hour_of(r.created_at), day, month), strict=True):
-                sums = sums_of.setdefault((period, group), [0] * 6)
-                for i, add in enumerate(adds):
-                    sums[i] += add
-        for sql, sums_of in zip(_ADD_ROLLUPS, levels, strict=True):
-            if not sums_of:
-                continue
-            # Sorted, so two writers lock the roll-up rows in one order.
-            items = [(at, *g, *sums) for (at, g), sums in sorted(sums_of.items())]
-            conn.execute(sql, _columns(items, 12))
+        if batch:
+            _store_usage(conn, batch)
     if too_old:
         logger.warning(
             "%d usage row(s) older than the pruning horizon %s not written: they may have "
