@@ -106,6 +106,8 @@ __all__ = [
     "STATEMENT_TIMEOUT_S",
     "TCP_USER_TIMEOUT_MS",
     "PostgresStore",
+    "apply_postgres_migrations",
+    "describe_address",
     "is_postgres_address",
     "open_postgres_store",
     "postgres_conninfo",
