@@ -26,7 +26,8 @@ The tree::
     │       └── JoinTokenUnknown, JoinTokenUsed, JoinTokenExpired
     ├── UpstreamError          an engine or outside provider failed or timed out
     ├── StoreError             the store refused or failed
-    │   └── store.Conflict
+    │   ├── store.Conflict
+    │   └── store.Fenced       a write from a deposed leader (stale lease epoch)
     ├── LinkError              the agent link failed
     │   ├── LinkClosed         the peer went away or the socket broke
     │   └── ProtocolError      a frame that breaks the wire protocol

@@ -8,7 +8,9 @@ retention, floored to the hour, in batches of :data:`PRUNE_BATCH` rows, each
 batch its own short write transaction, with a pause of :data:`PRUNE_PAUSE_S`
 between batches so the usage writer and every other writer get the lock in
 between: never one large delete holding the write lock. The retention is
-read at each pass, so a changed setting applies at the next pass.
+read at each pass, so a changed setting applies at the next pass. Each batch
+carries the leader lease as its fence, so the store refuses the deletes of a
+control plane that was deposed meanwhile (:class:`llmgw.store.Fenced`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Final, NoReturn
 
 import trio
 
-from llmgw.store import Store, StoreError
+from llmgw.store import Lease, Store, StoreError
 
 __all__ = [
     "PRUNE_BATCH",
@@ -48,17 +50,21 @@ async def prune_usage_past(
     *,
     batch: int = PRUNE_BATCH,
     pause_s: float = PRUNE_PAUSE_S,
+    fence: Lease | None = None,
 ) -> int:
     """Delete the raw rows older than ``retain_days`` before ``now`` (UTC epoch
     s; the cut is floored to its hour), ``batch`` rows per transaction with
-    ``pause_s`` between transactions, until none is left.
+    ``pause_s`` between transactions, until none is left. With ``fence`` (the
+    leader lease), each batch is refused once that lease moved on.
 
     Returns:
         How many rows were deleted.
 
     Raises:
-        StoreError: the store failed; the rows deleted so far stay deleted
-            (their sums are in the roll-ups), the rest wait for the next pass.
+        StoreError: the store failed, or refused a batch under a stale
+            ``fence`` (:class:`llmgw.store.Fenced`); the rows deleted so far
+            stay deleted (their sums are in the roll-ups), the rest wait for
+            the next pass.
         ValueError: ``retain_days`` or ``batch`` is less than 1.
     """
     if retain_days < 1:
@@ -66,7 +72,7 @@ async def prune_usage_past(
     before = now - retain_days * DAY_S
     deleted = 0
     while True:
-        count = await store.prune_usage(before, limit=batch)
+        count = await store.prune_usage(before, limit=batch, fence=fence)
         deleted += count
         if count < batch:
             return deleted
@@ -80,10 +86,12 @@ async def serve_usage_retention(
     every_s: float = PRUNE_EVERY_S,
     batch: int = PRUNE_BATCH,
     pause_s: float = PRUNE_PAUSE_S,
+    fence: Lease | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Prune raw usage rows past ``retain_days()`` now and every ``every_s``
-    seconds until cancelled (see the module docstring).
+    seconds until cancelled (see the module docstring), each batch fenced by
+    ``fence`` (the leader lease this control plane holds).
 
     A pass that fails (the store is locked or down) is logged and tried
     again at the next one.
@@ -95,7 +103,9 @@ async def serve_usage_retention(
     while True:
         days = retain_days()
         try:
-            deleted = await prune_usage_past(store, days, time.time(), batch=batch, pause_s=pause_s)
+            deleted = await prune_usage_past(
+                store, days, time.time(), batch=batch, pause_s=pause_s, fence=fence
+            )
         except StoreError as exc:
             log.warning("usage rows older than %d days not pruned yet (%s)", days, exc)
         else:

@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import time
+from functools import partial
 from typing import Final, NoReturn
 
 import trio
@@ -117,8 +118,15 @@ async def serve_leadership(
         log.info("leading (lease epoch %d)", lease.epoch)
         async with trio.open_nursery() as leading:
             await leading.start(serve_reconciler, store, cluster, engine_ports)
+            # The retention's deletes carry the lease: the store refuses them
+            # once another control plane has taken it over (fencing).
             await leading.start(
-                serve_usage_retention, store, lambda: cluster.settings.auth.usage_retain_days
+                partial(
+                    serve_usage_retention,
+                    store,
+                    lambda: cluster.settings.auth.usage_retain_days,
+                    fence=lease,
+                )
             )
             ready()
             expires_at = lease.expires_at

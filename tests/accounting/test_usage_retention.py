@@ -16,7 +16,7 @@ from llmgw.accounting.retention import prune_usage_past, serve_usage_retention
 from llmgw.accounting.usage import UsageWriter
 from llmgw.errors import StoreError
 from llmgw.settings import SettingsError, settings_from_doc
-from llmgw.store import Store, UsageRow, UsageSummary, open_sqlite_store
+from llmgw.store import Fenced, Lease, Store, UsageRow, UsageSummary, open_sqlite_store
 
 DAY = 86_400.0
 HOUR = 3_600.0
@@ -99,11 +99,13 @@ class CountingStore:
         self.calls: list[tuple[int, int]] = []
         self.fail_next = 0
 
-    async def prune_usage(self, before: float, *, limit: int = 5000) -> int:
+    async def prune_usage(
+        self, before: float, *, limit: int = 5000, fence: Lease | None = None
+    ) -> int:
         if self.fail_next:
             self.fail_next -= 1
             raise StoreError("database is locked")
-        deleted = await self.inner.prune_usage(before, limit=limit)
+        deleted = await self.inner.prune_usage(before, limit=limit, fence=fence)
         self.calls.append((limit, deleted))
         return deleted
 
@@ -202,3 +204,35 @@ async def test_the_task_prunes_at_once_then_each_pass_with_the_live_setting(
         await wait_for({r.request_id for r in rows[3:]})
         nursery.cancel_scope.cancel()
     assert await store.usage_summary("key", 0.0) == before
+
+
+async def test_a_deposed_leaders_pruning_is_refused_and_deletes_nothing(store: Store) -> None:
+    rows = year_of_rows()
+    await store.insert_usage(rows)
+    old = await store.acquire_lease("leader", "cp-a", ttl_s=10.0, now=NOW)
+    new = await store.acquire_lease("leader", "cp-b", ttl_s=10.0, now=NOW + 11)
+    assert old is not None
+    assert new is not None
+    with pytest.raises(Fenced, match="no longer holds the 'leader' lease"):
+        await prune_usage_past(store, 90, NOW, fence=old)
+    assert await raw_ids(store) == {r.request_id for r in rows}
+    assert await prune_usage_past(store, 90, NOW, fence=new) > 0
+
+
+async def test_the_retention_task_carries_its_fence_and_logs_a_refusal(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = year_of_rows()
+    await store.insert_usage(rows)
+    stale = Lease(name="leader", holder="cp-gone", epoch=7, expires_at=NOW)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            lambda task_status: serve_usage_retention(
+                store, lambda: 90, every_s=0.02, fence=stale, task_status=task_status
+            )
+        )
+        with trio.fail_after(10):
+            while "no longer holds the 'leader' lease" not in caplog.text:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert await raw_ids(store) == {r.request_id for r in rows}

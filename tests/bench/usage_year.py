@@ -57,7 +57,7 @@ import trio
 
 from llmgw.accounting.budgets import period_start
 from llmgw.accounting.retention import PRUNE_BATCH, prune_usage_past
-from llmgw.store import Store, SummaryBy
+from llmgw.store import Lease, Store, SummaryBy
 from llmgw.store.sqlite import open_sqlite_store
 
 DAY_S = 86_400
@@ -315,9 +315,11 @@ class TimingStore:
         self.inner = inner
         self.batches: list[tuple[int, float]] = []
 
-    async def prune_usage(self, before: float, *, limit: int = 5000) -> int:
+    async def prune_usage(
+        self, before: float, *, limit: int = 5000, fence: Lease | None = None
+    ) -> int:
         started = time.perf_counter()
-        deleted = await self.inner.prune_usage(before, limit=limit)
+        deleted = await self.inner.prune_usage(before, limit=limit, fence=fence)
         self.batches.append((deleted, time.perf_counter() - started))
         return deleted
 

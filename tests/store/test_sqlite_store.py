@@ -14,7 +14,8 @@ import pytest
 import trio
 
 from llmgw.store import KeyRecord, SqliteStore, StoreError, UsageRow, open_store
-from llmgw.store.sqlite import BUSY_TIMEOUT_S, HOUR_S, hour_of, month_of, open_sqlite_store
+from llmgw.store._common import HOUR_S, hour_of, month_of
+from llmgw.store.sqlite import BUSY_TIMEOUT_S, open_sqlite_store
 
 EXTRA_MIGRATION = """
 -- A later migration for the tests: a new table and a new column.
@@ -587,14 +588,6 @@ async def test_open_store_reads_a_sqlite_url_with_three_slashes_as_a_relative_pa
     async with open_store("sqlite:///rel/c.db"):
         pass
     assert (tmp_path / "rel" / "c.db").is_file()
-
-
-@pytest.mark.parametrize(
-    "address", ["postgresql://llmgw@db1,db2/llmgw", "postgres://x/y", "PostgreSQL://x/y"]
-)
-def test_open_store_says_postgresql_is_not_supported_yet(address: str) -> None:
-    with pytest.raises(ValueError, match="PostgreSQL stores are not supported yet"):
-        open_store(address)
 
 
 @pytest.mark.parametrize("address", ["mysql://x/y", "sqlite://relative.db", "sqlite:x.db"])

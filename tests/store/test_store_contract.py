@@ -15,11 +15,14 @@ import attrs
 import pytest
 import trio
 
+from llmgw import errors
 from llmgw.store import (
     Conflict,
     External,
     ExternalKey,
+    Fenced,
     KeyRecord,
+    Lease,
     ModelRecord,
     Profile,
     Store,
@@ -440,6 +443,78 @@ async def test_of_many_contenders_for_a_free_lease_exactly_one_wins(store: Store
 async def test_a_lease_with_a_ttl_that_is_not_positive_is_refused(store: Store) -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         await store.acquire_lease("leader", "cp-a", ttl_s=0.0, now=1.0)
+
+
+# --- fencing: a deposed leader's writes are refused ----------------------------
+
+
+async def _deposed(store: Store) -> tuple[Lease, Lease]:
+    """cp-a led (epoch 1) and was deposed by cp-b (epoch 2) after its lease expired."""
+    old = await store.acquire_lease("leader", "cp-a", ttl_s=10.0, now=1_000.0)
+    new = await store.acquire_lease("leader", "cp-b", ttl_s=10.0, now=1_011.0)
+    assert old is not None
+    assert new is not None
+    assert (old.epoch, new.epoch) == (1, 2)
+    return old, new
+
+
+async def test_a_write_fenced_by_the_lease_held_lands(store: Store) -> None:
+    lease = await store.acquire_lease("leader", "cp-a", ttl_s=10.0, now=1_000.0)
+    assert lease is not None
+    # A renewal keeps the epoch: the first lease still fences the writes.
+    assert await store.acquire_lease("leader", "cp-a", ttl_s=10.0, now=1_005.0) is not None
+    await store.put_model(ModelRecord.simple("m", "sim"), fence=lease)
+    await store.put_setting("k", 1, fence=lease)
+    assert await store.put_settings_doc({"a": 1}, expected_version=0, actor="t", fence=lease) == 1
+    assert await store.delete_model("m", fence=lease) is True
+    assert await store.get_setting("k") == 1
+
+
+async def test_a_deposed_leaders_writes_are_refused_and_write_nothing(store: Store) -> None:
+    old, new = await _deposed(store)
+    await store.put_model(ModelRecord.simple("kept", "sim"), fence=new)
+    await store.insert_usage([make_usage("r1", created_at=0.0)])
+
+    with pytest.raises(Fenced, match="no longer holds the 'leader' lease") as refused:
+        await store.put_model(ModelRecord.simple("m", "sim"), fence=old)
+    assert isinstance(refused.value, errors.StoreError)
+    assert refused.value.lease == old
+    assert refused.value.current == ("cp-b", 2)
+    assert "epoch 1" in str(refused.value)
+    assert "epoch 2" in str(refused.value)
+    with pytest.raises(Fenced):
+        await store.delete_model("kept", fence=old)
+    with pytest.raises(Fenced):
+        await store.put_setting("k", 1, fence=old)
+    with pytest.raises(Fenced):
+        await store.put_settings_doc({"a": 1}, expected_version=None, actor="t", fence=old)
+    with pytest.raises(Fenced):
+        await store.prune_usage(7_200.0, fence=old)
+
+    assert await store.get_model("m") is None
+    assert await store.get_model("kept") is not None
+    assert await store.get_setting("k") is None
+    assert await store.settings_version() == 0
+    assert await store.get_usage("r1") is not None
+    assert await store.usage_pruned_before() is None
+
+
+async def test_the_old_holder_is_fenced_even_when_it_takes_the_lease_back(store: Store) -> None:
+    old, _ = await _deposed(store)
+    again = await store.acquire_lease("leader", "cp-a", ttl_s=10.0, now=1_022.0)
+    assert again is not None
+    assert again.epoch == 3
+    with pytest.raises(Fenced):
+        await store.put_setting("k", 1, fence=old)
+    await store.put_setting("k", 2, fence=again)
+    assert await store.get_setting("k") == 2
+
+
+async def test_a_write_fenced_by_a_lease_that_does_not_exist_is_refused(store: Store) -> None:
+    ghost = Lease(name="leader", holder="cp-a", epoch=1, expires_at=2_000.0)
+    with pytest.raises(Fenced, match="there is no such lease"):
+        await store.put_model(ModelRecord.simple("m", "sim"), fence=ghost)
+    assert await store.list_models() == []
 
 
 # --- concurrency -------------------------------------------------------------

@@ -7,6 +7,7 @@ backend.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import defaultdict
@@ -805,6 +806,17 @@ async def test_a_batch_replayed_after_pruning_is_not_counted_twice(store: Store)
     assert await store.get_usage("late_old") is None
     assert await store.get_usage("late_new") == late_new
     assert await store.usage_summary("key", 0.0) == expected_summary([*rows, late_new], "key")
+
+
+async def test_a_batch_wholly_older_than_the_horizon_writes_nothing_and_says_so(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    await store.insert_usage([usage("old", T0 + 5.0), usage("new", T0 + 2 * DAY)])
+    await prune_all(store, T0 + DAY, limit=50)
+    with caplog.at_level(logging.WARNING, logger="llmgw.store"):
+        await store.insert_usage([usage("late_old", T0 + 6.0, cost=7)])
+    assert await store.get_usage("late_old") is None
+    assert "1 usage row(s) older than the pruning horizon" in caplog.text
 
 
 async def test_the_pruning_horizon_only_moves_forward(store: Store) -> None:

@@ -1,16 +1,20 @@
-"""llmgw's store: the :class:`Store` protocol, its records, and backends."""
+"""llmgw's store: the :class:`Store` protocol, its records, and its two
+backends, SQLite and PostgreSQL (``docs/store.md``)."""
 
 from ._catalog_json import model_from_doc as model_from_doc
 from ._catalog_json import model_to_doc as model_to_doc
 from ._catalog_json import profile_fingerprint as profile_fingerprint
 from ._open import open_store as open_store
 from .interface import Conflict as Conflict
+from .interface import Fenced as Fenced
 from .interface import JoinTokenExpired as JoinTokenExpired
 from .interface import JoinTokenRefused as JoinTokenRefused
 from .interface import JoinTokenUnknown as JoinTokenUnknown
 from .interface import JoinTokenUsed as JoinTokenUsed
 from .interface import Store as Store
 from .interface import StoreError as StoreError
+from .postgres import PostgresStore as PostgresStore
+from .postgres import open_postgres_store as open_postgres_store
 from .records import External as External
 from .records import ExternalKey as ExternalKey
 from .records import JoinToken as JoinToken
@@ -35,6 +39,7 @@ __all__ = [
     "Conflict",
     "External",
     "ExternalKey",
+    "Fenced",
     "JoinToken",
     "JoinTokenExpired",
     "JoinTokenRefused",
@@ -46,6 +51,7 @@ __all__ = [
     "ModelRecord",
     "NodeCertificate",
     "Org",
+    "PostgresStore",
     "Profile",
     "Project",
     "ProjectPath",
@@ -59,6 +65,7 @@ __all__ = [
     "UsageSummary",
     "model_from_doc",
     "model_to_doc",
+    "open_postgres_store",
     "open_sqlite_store",
     "open_store",
     "profile_fingerprint",

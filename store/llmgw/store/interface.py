@@ -1,13 +1,14 @@
 """The ``Store`` protocol: every query llmgw makes is a named method here.
 
-Both backends (SQLite now, PostgreSQL later) implement it and pass the same
-contract suite (``tests/store/``). Methods are async: implementations run
+Both backends, SQLite and PostgreSQL (``docs/store.md``), implement it and
+pass the same contract suite (``tests/store/``). Methods are async: implementations run
 their blocking database calls in worker threads under their own
 ``trio.CapacityLimiter`` so the event loop never blocks.
 
 Errors: a method raises :class:`StoreError` (or a subclass) when the database
 fails; :class:`Conflict` when a unique value (a key hash, a model name) is
-already taken.
+already taken; :class:`Fenced` when a write fenced by a lease comes from a
+holder that lost it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .records import (
 
 __all__ = [
     "Conflict",
+    "Fenced",
     "JoinTokenExpired",
     "JoinTokenRefused",
     "JoinTokenUnknown",
@@ -52,6 +54,37 @@ StoreError = errors.StoreError
 
 class Conflict(StoreError):
     """A unique value is already taken (a key hash, a model name)."""
+
+
+class Fenced(StoreError):
+    """A write made under a lease epoch that is no longer the lease's: the
+    writer was deposed (another control plane took the lease over, or it
+    expired and was taken), so the store refused the write and wrote nothing.
+
+    Attributes:
+        lease: the lease the writer believed it held.
+        current: the lease's holder and epoch now, ``None`` when there is no
+            such lease.
+    """
+
+    def __init__(self, message: str, *, lease: Lease, current: tuple[str, int] | None) -> None:
+        super().__init__(message)
+        self.lease = lease
+        self.current = current
+
+    @classmethod
+    def deposed(cls, lease: Lease, current: tuple[str, int] | None) -> Fenced:
+        """The refusal of a write fenced by ``lease``, saying who holds it now."""
+        if current is None:
+            now = "there is no such lease"
+        else:
+            now = f"it is at epoch {current[1]}, held by {current[0]}"
+        return cls(
+            f"write refused: this control plane no longer holds the {lease.name!r} lease "
+            f"(it wrote under epoch {lease.epoch}; {now}); only the leader writes this",
+            lease=lease,
+            current=current,
+        )
 
 
 class JoinTokenRefused(errors.Refused):
@@ -224,12 +257,16 @@ class Store(Protocol):
         """
         ...
 
-    async def prune_usage(self, before: float, *, limit: int = 5000) -> int:
+    async def prune_usage(
+        self, before: float, *, limit: int = 5000, fence: Lease | None = None
+    ) -> int:
         """Delete at most ``limit`` raw rows older than ``before`` (floored to
         its hour), oldest first, in one short transaction; the number
         deleted. The roll-ups keep their sums. Moves the pruning horizon to
         ``before`` (never back) when a row is deleted. ``ValueError`` when
-        ``limit`` < 1.
+        ``limit`` < 1. With ``fence``, see the leases section: :class:`Fenced`
+        when that lease moved on (a call that finds nothing to delete
+        returns 0 without looking at the lease).
         """
         ...
 
@@ -254,8 +291,9 @@ class Store(Protocol):
         ...
 
     # --- catalog -------------------------------------------------------------
-    async def put_model(self, model: ModelRecord) -> None:
-        """Insert or replace the model with this name."""
+    async def put_model(self, model: ModelRecord, *, fence: Lease | None = None) -> None:
+        """Insert or replace the model with this name (:class:`Fenced` when
+        ``fence`` moved on)."""
         ...
 
     async def get_model(self, name: str) -> ModelRecord | None: ...
@@ -264,14 +302,20 @@ class Store(Protocol):
         """Every model, by name."""
         ...
 
-    async def delete_model(self, name: str) -> bool: ...
+    async def delete_model(self, name: str, *, fence: Lease | None = None) -> bool:
+        """Remove the model with this name; ``False`` when there was none
+        (:class:`Fenced` when ``fence`` moved on)."""
+        ...
 
     # --- settings ------------------------------------------------------------
     async def get_setting(self, key: str) -> Any | None:
         """A JSON value kept under ``key``, or ``None``."""
         ...
 
-    async def put_setting(self, key: str, value: Any) -> None: ...
+    async def put_setting(self, key: str, value: Any, *, fence: Lease | None = None) -> None:
+        """Keep ``value`` (JSON) under ``key`` (:class:`Fenced` when ``fence``
+        moved on)."""
+        ...
 
     # --- the cluster settings document (versioned) -----------------------------
     async def get_settings_doc(self) -> tuple[int, dict[str, Any]] | None:
@@ -286,6 +330,7 @@ class Store(Protocol):
         expected_version: int | None,
         actor: str,
         note: str = "",
+        fence: Lease | None = None,
     ) -> int:
         """Keep ``doc`` (plain JSON types) as the next version; return it.
 
@@ -308,6 +353,13 @@ class Store(Protocol):
         ...
 
     # --- leases --------------------------------------------------------------
+    # Fencing: a leader-only write may carry ``fence=`` the :class:`Lease` its
+    # writer holds. The store then writes only if that lease is still at that
+    # epoch with that holder, checked in the write's own transaction (a
+    # takeover waits for it or comes first), and raises :class:`Fenced`
+    # otherwise, writing nothing. A renewal keeps the epoch, so the lease
+    # first returned by :meth:`acquire_lease` fences every write of one
+    # leadership.
     async def acquire_lease(self, name: str, holder: str, ttl_s: float, now: float) -> Lease | None:
         """Take or renew the lease ``name`` for ``holder`` until ``now + ttl_s``.
 

@@ -30,14 +30,10 @@ Cancellation: a call that is running in its thread is waited for (trio's
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import logging
-import math
 import os
 import random
-import re
-import secrets
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -49,6 +45,23 @@ from typing import Any, Final, TypeVar, cast, final
 import trio
 
 from ._catalog_json import model_from_json, model_to_json
+from ._common import (
+    _LIMITS_TABLES,
+    _RAW_COLUMNS,
+    _ROLLUP_TABLES,
+    _SUMMARY_COLUMNS,
+    ERROR_STATUS,
+    _check_name,
+    _limits_from_json,
+    _limits_to_json,
+    _new_id,
+    _pieces,
+    _Sums,
+    day_of,
+    hour_of,
+    join_token_refusal,
+    month_of,
+)
 from ._sqlite_schema import (
     apply_migrations,
     is_busy,
@@ -59,9 +72,7 @@ from ._sqlite_schema import (
 from ._sqlite_utils import Database
 from .interface import (
     Conflict,
-    JoinTokenExpired,
-    JoinTokenUnknown,
-    JoinTokenUsed,
+    Fenced,
     StoreError,
 )
 from .records import (
@@ -102,14 +113,6 @@ OPEN_DEADLINE_S: Final = 120.0
 LOCKED_FIRST_DELAY_S: Final = 0.05
 LOCKED_MAX_DELAY_S: Final = 1.0
 
-HOUR_S: Final = 3600
-"""The roll-up period, in seconds."""
-DAY_S: Final = 86_400
-"""The long roll-up period (a UTC day), in seconds."""
-ERROR_STATUS: Final = 400
-"""A usage row with this status or more counts as an error in the roll-ups."""
-
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 _T = TypeVar("_T")
 
@@ -378,7 +381,9 @@ class SqliteStore:
             raise ValueError(f"by must be one of {sorted(_SUMMARY_COLUMNS)}, not {by!r}")
         return await self._run(partial(_usage_summary, column=column, since=since, until=until))
 
-    async def prune_usage(self, before: float, *, limit: int = 5000) -> int:
+    async def prune_usage(
+        self, before: float, *, limit: int = 5000, fence: Lease | None = None
+    ) -> int:
         """Delete at most ``limit`` raw usage rows older than ``before``, oldest first.
 
         ``before`` (UTC epoch s) is floored to its hour. One short write
@@ -393,10 +398,13 @@ class SqliteStore:
 
         Raises:
             ValueError: ``limit`` is less than 1.
+            Fenced: ``fence`` is no longer the lease's epoch (nothing deleted).
         """
         if limit < 1:
             raise ValueError(f"limit must be 1 or more, not {limit}")
-        return await self._run(partial(_prune_usage, before=float(hour_of(before)), limit=limit))
+        return await self._run(
+            partial(_prune_usage, before=float(hour_of(before)), limit=limit, fence=fence)
+        )
 
     async def usage_pruned_before(self) -> float | None:
         """The pruning horizon (raw rows older than it may be gone), or ``None``
@@ -434,9 +442,13 @@ class SqliteStore:
         )
 
     # --- catalog -------------------------------------------------------------
-    async def put_model(self, model: ModelRecord) -> None:
-        """Insert or replace the model with this name."""
-        await self._run(partial(_put_model, model=model))
+    async def put_model(self, model: ModelRecord, *, fence: Lease | None = None) -> None:
+        """Insert or replace the model with this name.
+
+        Raises:
+            Fenced: ``fence`` is no longer the lease's epoch (nothing written).
+        """
+        await self._run(partial(_put_model, model=model, fence=fence))
 
     async def get_model(self, name: str) -> ModelRecord | None:
         """The model with this name, or ``None``."""
@@ -446,24 +458,29 @@ class SqliteStore:
         """Every model, by name."""
         return await self._run(_list_models)
 
-    async def delete_model(self, name: str) -> bool:
-        """Remove the model with this name; ``False`` when there was none."""
-        return await self._run(partial(_delete_model, name=name))
+    async def delete_model(self, name: str, *, fence: Lease | None = None) -> bool:
+        """Remove the model with this name; ``False`` when there was none.
+
+        Raises:
+            Fenced: ``fence`` is no longer the lease's epoch (nothing deleted).
+        """
+        return await self._run(partial(_delete_model, name=name, fence=fence))
 
     # --- settings ------------------------------------------------------------
     async def get_setting(self, key: str) -> Any | None:
         """A JSON value kept under ``key``, or ``None``."""
         return await self._run(partial(_get_setting, key=key))
 
-    async def put_setting(self, key: str, value: Any) -> None:
+    async def put_setting(self, key: str, value: Any, *, fence: Lease | None = None) -> None:
         """Keep the JSON value ``value`` under ``key``, replacing any other.
 
         Raises:
             TypeError: ``value`` is not JSON (e.g. a set).
             ValueError: ``value`` holds NaN or infinity, which JSON cannot.
+            Fenced: ``fence`` is no longer the lease's epoch (nothing written).
         """
         text = json.dumps(value, allow_nan=False, separators=(",", ":"))
-        await self._run(partial(_put_setting, key=key, text=text, now=time.time()))
+        await self._run(partial(_put_setting, key=key, text=text, now=time.time(), fence=fence))
 
     # --- the cluster settings document (versioned) -----------------------------
     async def get_settings_doc(self) -> tuple[int, dict[str, Any]] | None:
@@ -478,6 +495,7 @@ class SqliteStore:
         expected_version: int | None,
         actor: str,
         note: str = "",
+        fence: Lease | None = None,
     ) -> int:
         """Keep ``doc`` as the next version (a new ``settings_history`` row); return it.
 
@@ -492,6 +510,7 @@ class SqliteStore:
             Conflict: ``expected_version`` is not the live version.
             TypeError: ``doc`` is not JSON (e.g. holds a set).
             ValueError: ``doc`` holds NaN or infinity, which JSON cannot.
+            Fenced: ``fence`` is no longer the lease's epoch (nothing written).
         """
         text = json.dumps(dict(doc), allow_nan=False, sort_keys=True, separators=(",", ":"))
         return await self._run(
@@ -502,6 +521,7 @@ class SqliteStore:
                 actor=actor,
                 note=note,
                 now=time.time(),
+                fence=fence,
             )
         )
 
@@ -757,31 +777,6 @@ def _keep_secret(conn: sqlite3.Connection, *, name: str, value: bytes) -> bytes:
     return bytes(rows[0]["value"])
 
 
-def _limits_to_json(limits: Limits) -> str:
-    data: dict[str, object] = {}
-    for name in ("rpm", "tpm", "budget_day_micros", "budget_month_micros"):
-        value = getattr(limits, name)
-        if value is not None:
-            data[name] = value
-    if limits.models is not None:
-        data["models"] = list(limits.models)
-    return json.dumps(data, separators=(",", ":"))
-
-
-def _limits_from_json(text: str) -> Limits:
-    data = json.loads(text) if text else {}
-    if not isinstance(data, dict):
-        raise StoreError(f"stored limits are not a JSON object: {text!r}")
-    # Members a later llmgw may add are ignored here.
-    return Limits(
-        rpm=data.get("rpm"),
-        tpm=data.get("tpm"),
-        budget_day_micros=data.get("budget_day_micros"),
-        budget_month_micros=data.get("budget_month_micros"),
-        models=data.get("models"),
-    )
-
-
 def _key_from_row(row: sqlite3.Row) -> KeyRecord:
     return KeyRecord(
         id=row["id"],
@@ -897,30 +892,6 @@ def _usage_from_row(row: sqlite3.Row) -> UsageRow:
     )
 
 
-def hour_of(at: float) -> int:
-    """``at`` (UTC epoch s) floored to its hour, as the roll-ups key it."""
-    return int(at // HOUR_S) * HOUR_S
-
-
-def day_of(at: float) -> int:
-    """``at`` (UTC epoch s) floored to its UTC day, as the daily roll-ups key it."""
-    return int(at // DAY_S) * DAY_S
-
-
-def month_of(at: float) -> int:
-    """``at`` (UTC epoch s) floored to its UTC calendar month, as the monthly
-    roll-ups key it."""
-    day = dt.datetime.fromtimestamp(day_of(at), dt.UTC)
-    return int(day.replace(day=1).timestamp())
-
-
-def _next_month(month: int) -> int:
-    start = dt.datetime.fromtimestamp(month, dt.UTC)
-    if start.month == 12:
-        return int(start.replace(year=start.year + 1, month=1).timestamp())
-    return int(start.replace(month=start.month + 1).timestamp())
-
-
 _INSERT_USAGE = (
     "INSERT INTO usage (request_id, created_at, key_id, model, status, prompt_tokens,"
     " cached_tokens, completion_tokens, duration_ms, ttft_ms, replica_id, stream, endpoint,"
@@ -1033,7 +1004,9 @@ def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
         )
 
 
-def _prune_usage(conn: sqlite3.Connection, *, before: float, limit: int) -> int:
+def _prune_usage(
+    conn: sqlite3.Connection, *, before: float, limit: int, fence: Lease | None
+) -> int:
     # Look first without the write lock: most passes find nothing to delete.
     if (
         conn.execute("SELECT 1 FROM usage WHERE created_at < ? LIMIT 1", (before,)).fetchone()
@@ -1041,6 +1014,7 @@ def _prune_usage(conn: sqlite3.Connection, *, before: float, limit: int) -> int:
     ):
         return 0
     with write_transaction(conn):
+        _check_fence(conn, fence)
         conn.execute(
             "INSERT INTO usage_retention (id, pruned_before) VALUES (1, ?)"
             " ON CONFLICT (id) DO UPDATE SET"
@@ -1072,95 +1046,6 @@ def _list_usage(conn: sqlite3.Connection, *, last: int, key_id: str | None) -> l
 def _get_usage(conn: sqlite3.Connection, *, request_id: str) -> UsageRow | None:
     rows = _rows(conn, "SELECT * FROM usage WHERE request_id = ?", (request_id,))
     return _usage_from_row(rows[0]) if rows else None
-
-
-#: Where each group column of a sum is read, in the raw rows.
-_RAW_COLUMNS: Final[dict[str, str]] = {
-    "key_id": "key_id",
-    "project_id": "project_id",
-    "team_id": "team_id",
-    "org_id": "org_id",
-    # The roll-ups key a row by the model that answered.
-    "model": "CASE WHEN served_model != '' THEN served_model ELSE model END",
-}
-
-#: Where each roll-up level is kept: table and period column.
-_ROLLUP_TABLES: Final[dict[str, tuple[str, str]]] = {
-    "hour": ("usage_hourly", "hour"),
-    "day": ("usage_daily", "day"),
-    "month": ("usage_monthly", "month"),
-}
-
-#: (requests, prompt, cached, completion, cost_micros, errors) of the rows of
-#: one group.
-_Sums = list[int]
-
-
-#: The roll-up levels, longest first: (source, floor of a time to its
-#: period's start, the start of the next period).
-_LEVELS: Final = (
-    ("month", month_of, _next_month),
-    ("day", day_of, lambda day: day + DAY_S),
-    ("hour", hour_of, lambda hour: hour + HOUR_S),
-)
-
-
-def _whole(lo: float, hi: float, levels: int = 0) -> list[tuple[str, float, float | None]]:
-    """Pieces of roll-ups covering ``[lo, hi)`` (hour boundaries; ``hi`` may be
-    infinite): the longest periods that fit, shorter ones at either end."""
-    if lo >= hi:
-        return []
-    source, floor, step = _LEVELS[levels]
-    first = floor(lo)
-    if first != lo:
-        first = step(first)
-    last = hi if math.isinf(hi) else floor(hi)
-    if source == "hour" or first >= last:
-        if source == "hour":
-            return [(source, lo, None if math.isinf(hi) else hi)]
-        return _whole(lo, hi, levels + 1)
-    return [
-        *_whole(lo, first, levels + 1),
-        (source, float(first), None if math.isinf(last) else float(last)),
-        *_whole(last, hi, levels + 1),
-    ]
-
-
-def _pieces(
-    since: float, until: float | None, horizon: float | None
-) -> list[tuple[str, float, float | None]]:
-    """Split ``[since, until)`` into the reads that sum it exactly.
-
-    Each piece is ``(source, lo, hi)``: ``"raw"`` rows with ``lo <=
-    created_at < hi``, whole ``"hour"``, ``"day"`` or ``"month"`` roll-ups
-    with ``lo <= hour (day, month) < hi``; ``hi`` ``None`` = no end. The part
-    of an hour at either end is read raw, unless raw rows there may be
-    pruned (the hour starts before ``horizon``): then that hour is read whole.
-    """
-    end = math.inf if until is None else until
-    if since >= end:
-        return []
-    pieces: list[tuple[str, float, float | None]] = []
-    lo = float(hour_of(since))
-    if lo != since:
-        if horizon is not None and since < horizon:
-            pass  # the raw rows of this hour may be gone: count it whole
-        else:
-            pieces.append(("raw", since, min(lo + HOUR_S, end)))
-            lo = lo + HOUR_S
-            if lo >= end:
-                return pieces
-    hi = end
-    tail: list[tuple[str, float, float | None]] = []
-    if until is not None:
-        last = float(hour_of(until))
-        if last != until and last >= lo:
-            if horizon is not None and last < horizon:
-                hi = last + HOUR_S  # count the last hour whole
-            else:
-                tail.append(("raw", last, until))
-                hi = last
-    return [*pieces, *_whole(lo, hi), *tail]
 
 
 def _sum_usage(
@@ -1235,15 +1120,6 @@ def _spend_since_by_scope(conn: sqlite3.Connection, *, since: float) -> dict[str
     return spend
 
 
-_SUMMARY_COLUMNS: Final[dict[str, str]] = {
-    "key": "key_id",
-    "project": "project_id",
-    "team": "team_id",
-    "org": "org_id",
-    "model": "model",
-}
-
-
 def _usage_summary(
     conn: sqlite3.Connection, *, column: str, since: float, until: float | None
 ) -> list[UsageSummary]:
@@ -1296,12 +1172,6 @@ def _export_usage(
 
 # --- the tree ----------------------------------------------------------------
 
-_LIMITS_TABLES: Final[dict[str, str]] = {
-    "org": "orgs",
-    "team": "teams",
-    "project": "projects",
-    "key": "keys",
-}
 
 _PATH_SELECT = (
     "SELECT o.id AS o_id, o.name AS o_name, o.limits AS o_limits, o.created_at AS o_created,"
@@ -1309,18 +1179,6 @@ _PATH_SELECT = (
     " p.id AS p_id, p.name AS p_name, p.limits AS p_limits, p.created_at AS p_created"
     " FROM projects AS p JOIN teams AS t ON t.id = p.team_id JOIN orgs AS o ON o.id = t.org_id"
 )
-
-
-def _check_name(level: str, name: str) -> None:
-    if not isinstance(name, str) or _NAME.fullmatch(name) is None or not name.strip("."):
-        raise ValueError(
-            f"{level} name {name!r} must be 1 to 64 letters, digits, '-', '_' or '.' "
-            "(not dots alone)"
-        )
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(8)}"
 
 
 def _org_from_row(row: sqlite3.Row) -> Org:
@@ -1479,10 +1337,11 @@ def _model_from_row(row: sqlite3.Row) -> ModelRecord:
     )
 
 
-def _put_model(conn: sqlite3.Connection, *, model: ModelRecord) -> None:
+def _put_model(conn: sqlite3.Connection, *, model: ModelRecord, fence: Lease | None) -> None:
     first = model.profile
     engine = first.engine if first is not None else ("external" if model.external else "")
     with write_transaction(conn):
+        _check_fence(conn, fence)
         conn.execute(
             "INSERT INTO models (name, engine, source, replicas, context_tokens, slots,"
             " cpu_cores, args, env, sha256, created_at, spec)"
@@ -1519,8 +1378,9 @@ def _list_models(conn: sqlite3.Connection) -> list[ModelRecord]:
     return [_model_from_row(r) for r in _rows(conn, "SELECT * FROM models ORDER BY name")]
 
 
-def _delete_model(conn: sqlite3.Connection, *, name: str) -> bool:
+def _delete_model(conn: sqlite3.Connection, *, name: str, fence: Lease | None) -> bool:
     with write_transaction(conn):
+        _check_fence(conn, fence)
         cursor = conn.execute("DELETE FROM models WHERE name = ?", (name,))
     return cursor.rowcount == 1
 
@@ -1530,8 +1390,11 @@ def _get_setting(conn: sqlite3.Connection, *, key: str) -> Any | None:
     return json.loads(rows[0]["value"]) if rows else None
 
 
-def _put_setting(conn: sqlite3.Connection, *, key: str, text: str, now: float) -> None:
+def _put_setting(
+    conn: sqlite3.Connection, *, key: str, text: str, now: float, fence: Lease | None
+) -> None:
     with write_transaction(conn):
+        _check_fence(conn, fence)
         conn.execute(
             "INSERT INTO settings (key, value, updated_at) VALUES (?, ?, ?)"
             " ON CONFLICT (key) DO UPDATE SET value = excluded.value,"
@@ -1562,8 +1425,10 @@ def _put_settings_doc(
     actor: str,
     note: str,
     now: float,
+    fence: Lease | None,
 ) -> int:
     with write_transaction(conn):
+        _check_fence(conn, fence)
         current = _settings_version(conn)
         if expected_version is not None and expected_version != current:
             raise Conflict(
@@ -1595,6 +1460,17 @@ def _settings_history(conn: sqlite3.Connection, *, last: int) -> list[SettingCha
         )
         for r in rows
     ]
+
+
+def _check_fence(conn: sqlite3.Connection, fence: Lease | None) -> None:
+    """Inside a write transaction (which holds SQLite's write lock, so no
+    takeover can land before it commits): refuse the write unless ``fence``
+    still holds its lease at its epoch."""
+    if fence is None:
+        return
+    row = conn.execute("SELECT holder, epoch FROM leases WHERE name = ?", (fence.name,)).fetchone()
+    if row is None or int(row[1]) != fence.epoch or row[0] != fence.holder:
+        raise Fenced.deposed(fence, None if row is None else (str(row[0]), int(row[1])))
 
 
 def _acquire_lease(
@@ -1722,24 +1598,4 @@ def _use_join_token(conn: sqlite3.Connection, *, token_hash: str, now: float) ->
             f"SELECT {_JOIN_TOKEN_COLUMNS} FROM join_tokens WHERE token_hash = ?",
             (token_hash,),
         )
-    if not found:
-        raise JoinTokenUnknown(
-            "this join code is not one of this cluster's: it was forged, mistyped, or made "
-            "by another control plane; make a new one with `llmgw node add`"
-        )
-    token = _join_token_from_row(found[0])
-    if token.used_at is not None:
-        raise JoinTokenUsed(
-            f"this join code was already used at {_utc_text(token.used_at)}; a code works once: "
-            "make a new one with `llmgw node add`",
-            used_at=token.used_at,
-        )
-    raise JoinTokenExpired(
-        f"this join code expired at {_utc_text(token.expires_at)}; make a new one with "
-        "`llmgw node add`",
-        expires_at=token.expires_at,
-    )
-
-
-def _utc_text(epoch_s: float) -> str:
-    return dt.datetime.fromtimestamp(epoch_s, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    raise join_token_refusal(_join_token_from_row(found[0]) if found else None)
