@@ -72,6 +72,11 @@ class ServerConfig:
     #: Where weights, the usage journal and the admin token (``admin-token``)
     #: live; ``None`` = the SQLite store's folder.
     data_dir: Path | None = None
+    #: Where the join server listens (``llmgw server``); ``None`` = none (``llmgw up``).
+    join_listen: str | None = None
+    #: Extra names or addresses of this machine for its certificate, put
+    #: first in join codes (``llmgw server --advertise``).
+    advertise: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
