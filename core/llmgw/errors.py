@@ -13,6 +13,7 @@ The tree::
     LlmgwError
     ├── InvalidInput           (also ValueError) input that breaks a rule: a
     │   │                      setting, a catalog entry, a model file, a frame
+    │   ├── control.ca.BadCertificateRequest
     │   ├── settings.SettingsError
     │   ├── control.catalog.CatalogError
     │   └── control.planning.PlanningError
@@ -20,7 +21,9 @@ The tree::
     ├── Refused                a request refused by policy; carries an HTTP status
     │   ├── auth.keys.KeyRefused
     │   ├── accounting.accountant.ModelNotAllowed, RateLimited, BudgetSpent
-    │   └── router.admission.AdmissionTimeout
+    │   ├── router.admission.AdmissionTimeout
+    │   └── store.JoinTokenRefused  a join code that cannot be used (403/410)
+    │       └── JoinTokenUnknown, JoinTokenUsed, JoinTokenExpired
     ├── UpstreamError          an engine or outside provider failed or timed out
     ├── StoreError             the store refused or failed
     │   └── store.Conflict

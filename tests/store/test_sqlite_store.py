@@ -110,6 +110,8 @@ async def test_the_schema_has_the_tables_and_usage_indexes(tmp_path: Path) -> No
         "settings",
         "secrets",
         "leases",
+        "node_certificates",
+        "join_tokens",
         "schema_migrations",
     } <= tables
     assert index_columns(path, "usage") == {
@@ -179,6 +181,7 @@ async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Pa
         (5, "0005_settings_history.sql"),
         (6, "0006_usage_cache_hit.sql"),
         (7, "0007_usage_retention.sql"),
+        (8, "0008_node_identity.sql"),
     ]
     assert backups(path) == []
 

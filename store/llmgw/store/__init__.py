@@ -5,14 +5,20 @@ from ._catalog_json import model_to_doc as model_to_doc
 from ._catalog_json import profile_fingerprint as profile_fingerprint
 from ._open import open_store as open_store
 from .interface import Conflict as Conflict
+from .interface import JoinTokenExpired as JoinTokenExpired
+from .interface import JoinTokenRefused as JoinTokenRefused
+from .interface import JoinTokenUnknown as JoinTokenUnknown
+from .interface import JoinTokenUsed as JoinTokenUsed
 from .interface import Store as Store
 from .interface import StoreError as StoreError
 from .records import External as External
 from .records import ExternalKey as ExternalKey
+from .records import JoinToken as JoinToken
 from .records import KeyRecord as KeyRecord
 from .records import Lease as Lease
 from .records import Limits as Limits
 from .records import ModelRecord as ModelRecord
+from .records import NodeCertificate as NodeCertificate
 from .records import Org as Org
 from .records import Profile as Profile
 from .records import Project as Project
@@ -29,10 +35,16 @@ __all__ = [
     "Conflict",
     "External",
     "ExternalKey",
+    "JoinToken",
+    "JoinTokenExpired",
+    "JoinTokenRefused",
+    "JoinTokenUnknown",
+    "JoinTokenUsed",
     "KeyRecord",
     "Lease",
     "Limits",
     "ModelRecord",
+    "NodeCertificate",
     "Org",
     "Profile",
     "Project",

@@ -18,10 +18,12 @@ from typing import Any, Protocol
 from llmgw import errors
 
 from .records import (
+    JoinToken,
     KeyRecord,
     Lease,
     Limits,
     ModelRecord,
+    NodeCertificate,
     Org,
     ProjectPath,
     Scope,
@@ -32,7 +34,15 @@ from .records import (
     UsageSummary,
 )
 
-__all__ = ["Conflict", "Store", "StoreError"]
+__all__ = [
+    "Conflict",
+    "JoinTokenExpired",
+    "JoinTokenRefused",
+    "JoinTokenUnknown",
+    "JoinTokenUsed",
+    "Store",
+    "StoreError",
+]
 
 # The database failed or could not be reached; the cause is chained.
 # One class, shared with the error tree, so ``except llmgw.errors.StoreError``
@@ -42,6 +52,48 @@ StoreError = errors.StoreError
 
 class Conflict(StoreError):
     """A unique value is already taken (a key hash, a model name)."""
+
+
+class JoinTokenRefused(errors.Refused):
+    """A join code's token cannot be used; the subclass says why."""
+
+
+class JoinTokenUnknown(JoinTokenRefused):
+    """No join code of this cluster has this token: a forged code, a typo,
+    or a code made by another control plane."""
+
+    status = 403
+    code = "join_code_unknown"
+
+
+class JoinTokenUsed(JoinTokenRefused):
+    """The join code was already used; a code works once.
+
+    Attributes:
+        used_at: when it was used (UTC epoch s).
+    """
+
+    status = 410
+    code = "join_code_used"
+
+    def __init__(self, message: str, *, used_at: float) -> None:
+        super().__init__(message)
+        self.used_at = used_at
+
+
+class JoinTokenExpired(JoinTokenRefused):
+    """The join code expired before it was used.
+
+    Attributes:
+        expires_at: when it expired (UTC epoch s).
+    """
+
+    status = 410
+    code = "join_code_expired"
+
+    def __init__(self, message: str, *, expires_at: float) -> None:
+        super().__init__(message)
+        self.expires_at = expires_at
 
 
 class Store(Protocol):
@@ -268,4 +320,43 @@ class Store(Protocol):
 
     async def release_lease(self, name: str, holder: str) -> None:
         """Give the lease up now if ``holder`` has it (a clean stop)."""
+        ...
+
+    # --- node identity -------------------------------------------------------
+    async def insert_node_certificate(self, cert: NodeCertificate) -> None:
+        """Keep a certificate just issued. Raises :class:`Conflict` if its serial exists."""
+        ...
+
+    async def get_node_certificate(self, serial: str) -> NodeCertificate | None:
+        """The certificate with this serial (lower-case hex), revoked or not, or ``None``."""
+        ...
+
+    async def list_node_certificates(self, node_id: str | None = None) -> list[NodeCertificate]:
+        """The certificates issued (to ``node_id`` when given), oldest first."""
+        ...
+
+    async def revoke_node_certificates(self, node_id: str, at: float) -> int:
+        """Revoke every valid certificate of ``node_id`` at ``at`` (UTC epoch s).
+
+        Returns how many were revoked now (already revoked ones keep their time).
+        """
+        ...
+
+    async def insert_join_token(self, token: JoinToken) -> None:
+        """Keep a join code's token (by hash). Raises :class:`Conflict` if the hash exists."""
+        ...
+
+    async def use_join_token(self, token_hash: str, now: float) -> JoinToken:
+        """Use the token with this hash, once: it is marked used at ``now``.
+
+        One conditional update, so two concurrent uses never both succeed.
+
+        Returns:
+            The token as stored now (``used_at`` = ``now``).
+
+        Raises:
+            JoinTokenUnknown: no token has this hash.
+            JoinTokenUsed: it was used before (``used_at`` says when).
+            JoinTokenExpired: ``now`` is at or past its ``expires_at``.
+        """
         ...

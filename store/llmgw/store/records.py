@@ -15,10 +15,12 @@ import attrs
 __all__ = [
     "External",
     "ExternalKey",
+    "JoinToken",
     "KeyRecord",
     "Lease",
     "Limits",
     "ModelRecord",
+    "NodeCertificate",
     "Org",
     "Profile",
     "Project",
@@ -430,3 +432,43 @@ class SettingChange:
     changed_at: float
     actor: str = ""
     note: str = ""
+
+
+@attrs.frozen
+class NodeCertificate:
+    """A certificate the cluster CA issued to a node.
+
+    Attributes:
+        serial: its serial number, lower-case hex.
+        node_id: the node it names (its ``CN``).
+        issued_at: when it was issued (UTC epoch s).
+        not_after: when it ends (UTC epoch s).
+        revoked_at: when it was revoked (UTC epoch s), ``None`` while valid.
+    """
+
+    serial: str
+    node_id: str
+    issued_at: float
+    not_after: float
+    revoked_at: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class JoinToken:
+    """The one-time token of a join code, kept only as its hash.
+
+    Attributes:
+        token_hash: the hex SHA-256 of the token.
+        created_at: when the code was made (UTC epoch s).
+        expires_at: when it stops working (UTC epoch s).
+        node_id: the node id the code is for; ``""`` lets the node choose.
+        labels: labels the joining node gets.
+        used_at: when it was used (UTC epoch s), ``None`` until then.
+    """
+
+    token_hash: str
+    created_at: float
+    expires_at: float
+    node_id: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict, converter=_env_dict)
+    used_at: float | None = None

@@ -57,12 +57,20 @@ from ._sqlite_schema import (
     write_transaction,
 )
 from ._sqlite_utils import Database
-from .interface import Conflict, StoreError
+from .interface import (
+    Conflict,
+    JoinTokenExpired,
+    JoinTokenUnknown,
+    JoinTokenUsed,
+    StoreError,
+)
 from .records import (
+    JoinToken,
     KeyRecord,
     Lease,
     Limits,
     ModelRecord,
+    NodeCertificate,
     Org,
     Project,
     ProjectPath,
@@ -545,6 +553,62 @@ class SqliteStore:
         The row stays, expired, so the next holder's epoch still grows.
         """
         await self._run(partial(_release_lease, name=name, holder=holder))
+
+    # --- node identity -------------------------------------------------------
+    async def insert_node_certificate(self, cert: NodeCertificate) -> None:
+        """Keep a certificate just issued.
+
+        Raises:
+            Conflict: a certificate with this serial exists.
+        """
+        await self._run(partial(_insert_node_certificate, cert=cert))
+
+    async def get_node_certificate(self, serial: str) -> NodeCertificate | None:
+        """The certificate with this serial (lower-case hex), revoked or not, or ``None``."""
+        rows = await self._run(
+            partial(_select_node_certificates, where="serial = ?", params=(serial.lower(),))
+        )
+        return rows[0] if rows else None
+
+    async def list_node_certificates(self, node_id: str | None = None) -> list[NodeCertificate]:
+        """The certificates issued (to ``node_id`` when given), oldest first."""
+        if node_id is None:
+            return await self._run(partial(_select_node_certificates, where="1", params=()))
+        return await self._run(
+            partial(_select_node_certificates, where="node_id = ?", params=(node_id,))
+        )
+
+    async def revoke_node_certificates(self, node_id: str, at: float) -> int:
+        """Revoke every valid certificate of ``node_id`` at ``at`` (UTC epoch s).
+
+        Returns:
+            How many were revoked now; already revoked ones keep their time.
+        """
+        return await self._run(partial(_revoke_node_certificates, node_id=node_id, at=at))
+
+    async def insert_join_token(self, token: JoinToken) -> None:
+        """Keep a join code's token (by hash).
+
+        Raises:
+            Conflict: a token with this hash exists.
+        """
+        await self._run(partial(_insert_join_token, token=token))
+
+    async def use_join_token(self, token_hash: str, now: float) -> JoinToken:
+        """Use the token with this hash, once: it is marked used at ``now``.
+
+        One conditional ``UPDATE … WHERE used_at IS NULL AND expires_at > now``
+        in a write transaction, so two concurrent uses never both succeed.
+
+        Returns:
+            The token as stored now (``used_at`` = ``now``).
+
+        Raises:
+            JoinTokenUnknown: no token has this hash.
+            JoinTokenUsed: it was used before (``used_at`` says when).
+            JoinTokenExpired: ``now`` is at or past its ``expires_at``.
+        """
+        return await self._run(partial(_use_join_token, token_hash=token_hash, now=now))
 
 
 @contextlib.asynccontextmanager
@@ -1559,3 +1623,112 @@ def _release_lease(conn: sqlite3.Connection, *, name: str, holder: str) -> None:
         conn.execute(
             "UPDATE leases SET expires_at = 0 WHERE name = ? AND holder = ?", (name, holder)
         )
+
+
+def _node_certificate_from_row(row: sqlite3.Row) -> NodeCertificate:
+    return NodeCertificate(
+        serial=row["serial"],
+        node_id=row["node_id"],
+        issued_at=row["issued_at"],
+        not_after=row["not_after"],
+        revoked_at=row["revoked_at"],
+    )
+
+
+def _insert_node_certificate(conn: sqlite3.Connection, *, cert: NodeCertificate) -> None:
+    with write_transaction(conn):
+        conn.execute(
+            "INSERT INTO node_certificates (serial, node_id, issued_at, not_after, revoked_at)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (cert.serial.lower(), cert.node_id, cert.issued_at, cert.not_after, cert.revoked_at),
+        )
+
+
+def _select_node_certificates(
+    conn: sqlite3.Connection, *, where: str, params: Sequence[object]
+) -> list[NodeCertificate]:
+    rows = _rows(
+        conn,
+        "SELECT serial, node_id, issued_at, not_after, revoked_at FROM node_certificates"
+        f" WHERE {where} ORDER BY issued_at, serial",
+        params,
+    )
+    return [_node_certificate_from_row(r) for r in rows]
+
+
+def _revoke_node_certificates(conn: sqlite3.Connection, *, node_id: str, at: float) -> int:
+    with write_transaction(conn):
+        cursor = conn.execute(
+            "UPDATE node_certificates SET revoked_at = ? WHERE node_id = ? AND revoked_at IS NULL",
+            (at, node_id),
+        )
+    return cursor.rowcount
+
+
+def _join_token_from_row(row: sqlite3.Row) -> JoinToken:
+    return JoinToken(
+        token_hash=row["token_hash"],
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        node_id=row["node_id"],
+        labels=json.loads(row["labels"]),
+        used_at=row["used_at"],
+    )
+
+
+def _insert_join_token(conn: sqlite3.Connection, *, token: JoinToken) -> None:
+    with write_transaction(conn):
+        conn.execute(
+            "INSERT INTO join_tokens (token_hash, created_at, expires_at, node_id, labels, used_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                token.token_hash,
+                token.created_at,
+                token.expires_at,
+                token.node_id,
+                json.dumps(token.labels, sort_keys=True),
+                token.used_at,
+            ),
+        )
+
+
+_JOIN_TOKEN_COLUMNS = "token_hash, created_at, expires_at, node_id, labels, used_at"
+
+
+def _use_join_token(conn: sqlite3.Connection, *, token_hash: str, now: float) -> JoinToken:
+    with write_transaction(conn):
+        rows = _rows(
+            conn,
+            "UPDATE join_tokens SET used_at = :now"
+            " WHERE token_hash = :hash AND used_at IS NULL AND expires_at > :now"
+            f" RETURNING {_JOIN_TOKEN_COLUMNS}",
+            {"now": now, "hash": token_hash},
+        )
+        if rows:
+            return _join_token_from_row(rows[0])
+        found = _rows(
+            conn,
+            f"SELECT {_JOIN_TOKEN_COLUMNS} FROM join_tokens WHERE token_hash = ?",
+            (token_hash,),
+        )
+    if not found:
+        raise JoinTokenUnknown(
+            "this join code is not one of this cluster's: it was forged, mistyped, or made "
+            "by another control plane; make a new one with `llmgw node add`"
+        )
+    token = _join_token_from_row(found[0])
+    if token.used_at is not None:
+        raise JoinTokenUsed(
+            f"this join code was already used at {_utc_text(token.used_at)}; a code works once: "
+            "make a new one with `llmgw node add`",
+            used_at=token.used_at,
+        )
+    raise JoinTokenExpired(
+        f"this join code expired at {_utc_text(token.expires_at)}; make a new one with "
+        "`llmgw node add`",
+        expires_at=token.expires_at,
+    )
+
+
+def _utc_text(epoch_s: float) -> str:
+    return dt.datetime.fromtimestamp(epoch_s, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
