@@ -29,8 +29,9 @@ from llmgw.admin.keys import KeysService
 from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, AdminTokenFile
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
+from llmgw.control.ca import ClusterCA, machine_addresses, server_names
 from llmgw.control.cluster import Cluster
-from llmgw.control.hub import serve_agent_hub
+from llmgw.control.hub import HubTLS, serve_agent_hub
 from llmgw.control.live import LiveSettings, serve_settings
 from llmgw.control.reconciler import PortRange
 from llmgw.errors import StoreError
@@ -53,6 +54,8 @@ GRACE_S: Final = 10.0
 AGENTS_STOP_S: Final = 3.0
 #: The usage journal's folder, in the data directory.
 JOURNAL_DIR: Final = "usage-journal"
+#: The cluster CA's folder, in the data directory (``llmgw server``).
+CA_DIR: Final = "ca"
 
 
 @attrs.frozen(kw_only=True)
@@ -200,8 +203,9 @@ async def serve_control_plane(
             partial(serve_usage_writer, usage, store, flush_interval_s=auth.flush_interval)
         )
         hub_host, hub_port = split_address(config.agent_listen)
+        hub_tls = await _hub_tls(config, store, data_dir, hub_host)
         bound_hub_port = await services.start(
-            serve_agent_hub, hub_host, hub_port, agent_token, cluster
+            partial(serve_agent_hub, hub_host, hub_port, agent_token, cluster, tls=hub_tls)
         )
         await services.start(serve_leadership, store, cluster, holder, config.engine_ports)
         # The replicas' KV-cache usage, for the long-context routing profile.
@@ -233,3 +237,21 @@ async def serve_control_plane(
         services.cancel_scope.cancel()
     if journal is not None:
         journal.close()
+
+
+async def _hub_tls(
+    config: ServerConfig, store: Store, data_dir: Path | None, hub_host: str
+) -> HubTLS | None:
+    """Mutual TLS for the agents' hub when this control plane has a cluster
+    CA (``llmgw server``: ``config.join_listen`` set; made or loaded under
+    ``DATA_DIR/ca``); ``None`` for ``llmgw up`` (plain ws with the token)."""
+    if config.join_listen is None or data_dir is None:
+        return None
+    ca = await trio.to_thread.run_sync(
+        ClusterCA.load_or_create, data_dir / CA_DIR, server_names(config.advertise)
+    )
+    if hub_host in ("", "0.0.0.0", "::"):
+        hosts = tuple(dict.fromkeys([*config.advertise, *machine_addresses()])) or ("127.0.0.1",)
+    else:
+        hosts = (hub_host,)
+    return HubTLS(context=ca.server_ssl_context(client_certs=True), store=store, hosts=hosts)
