@@ -15,7 +15,8 @@ The routes, by resource:
 - the live settings and the answer cache per project: :mod:`llmgw.admin.config`;
 - status and whole-system stop/start: :mod:`llmgw.admin.system`;
 - the catalog's models: :mod:`llmgw.admin.models`;
-- nodes, replicas, cordons and logs: :mod:`llmgw.admin.nodes`.
+- nodes, replicas, cordons and logs: :mod:`llmgw.admin.nodes`;
+- join codes for new nodes: :mod:`llmgw.admin.join_codes`.
 
 After a change the cluster is poked so the reconciler (on the leader) acts at
 once; changes reach the other control planes through the store within about
@@ -32,11 +33,13 @@ from quart_trio import QuartTrio
 from llmgw.auth.admin_token import AdminTokenFile, fingerprint
 from llmgw.auth.keys import KEY_PREFIX, KeyRefused
 from llmgw.control.cluster import Cluster
+from llmgw.control.join import JoinService
 from llmgw.control.live import LiveSettings
 from llmgw.store import Store
 
 from .config import add_config_routes
 from .errors import install
+from .join_codes import add_join_code_routes
 from .keys import KeysService, add_key_routes
 from .models import add_model_routes
 from .nodes import add_node_routes
@@ -54,6 +57,7 @@ def make_admin_app(
     *,
     live: LiveSettings | None = None,
     data_dir: Path | None = None,
+    join: JoinService | None = None,
 ) -> QuartTrio:
     """The admin API application over ``store`` and ``cluster``.
 
@@ -64,6 +68,8 @@ def make_admin_app(
             keeps (:func:`llmgw.control.live.serve_settings`); a fresh one
             over ``store`` when ``None`` (tests).
         data_dir: where weights live, for ``DELETE /api/v1/models/<name>?purge=1``.
+        join: what makes join codes; ``None`` when the control plane has no
+            join port (``POST /api/v1/nodes/join-codes`` answers 409).
     """
     app = QuartTrio("llmgw.admin")
     if live is None:
@@ -93,4 +99,5 @@ def make_admin_app(
     add_system_routes(app, cluster, live)
     add_model_routes(app, store, cluster, data_dir=data_dir)
     add_node_routes(app, cluster, live, store)
+    add_join_code_routes(app, join)
     return app

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -29,12 +30,13 @@ from llmgw.admin.keys import KeysService
 from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, AdminTokenFile
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
-from llmgw.control.ca import ClusterCA, machine_addresses, server_names
+from llmgw.control.ca import ClusterCA, server_names
 from llmgw.control.cluster import Cluster
 from llmgw.control.hub import HubTLS, serve_agent_hub
+from llmgw.control.join import JoinService, hub_urls, reachable_hosts, serve_join
 from llmgw.control.live import LiveSettings, serve_settings
 from llmgw.control.reconciler import PortRange
-from llmgw.errors import StoreError
+from llmgw.errors import StartupError, StoreError
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
 from llmgw.router.engine_metrics import serve_engine_metrics
@@ -54,8 +56,6 @@ GRACE_S: Final = 10.0
 AGENTS_STOP_S: Final = 3.0
 #: The usage journal's folder, in the data directory.
 JOURNAL_DIR: Final = "usage-journal"
-#: The cluster CA's folder, in the data directory (``llmgw server``).
-CA_DIR: Final = "ca"
 
 
 @attrs.frozen(kw_only=True)
@@ -92,6 +92,8 @@ class Addresses:
     metrics: str
     agent_hub: str
     agent_token: str
+    #: The join port (``host:port``); ``""`` when there is none.
+    join: str = ""
 
     @property
     def base_url(self) -> str:
@@ -180,7 +182,10 @@ async def serve_control_plane(
     # The admin API opens to the token in DATA_DIR/admin-token only (no data
     # directory: to nothing).
     admin_token = AdminTokenFile(data_dir / ADMIN_TOKEN_FILE if data_dir is not None else None)
-    admin = make_admin_app(store, cluster, admin_token, keys_service, live=live, data_dir=data_dir)
+    join = _join_service(config, store, cluster, data_dir)
+    admin = make_admin_app(
+        store, cluster, admin_token, keys_service, live=live, data_dir=data_dir, join=join
+    )
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
     holder = lease_holder()
 
@@ -203,10 +208,18 @@ async def serve_control_plane(
             partial(serve_usage_writer, usage, store, flush_interval_s=auth.flush_interval)
         )
         hub_host, hub_port = split_address(config.agent_listen)
-        hub_tls = await _hub_tls(config, store, data_dir, hub_host)
+        hub_tls = _hub_tls(join, store, hub_host, config.advertise)
         bound_hub_port = await services.start(
             partial(serve_agent_hub, hub_host, hub_port, agent_token, cluster, tls=hub_tls)
         )
+        join_address = ""
+        if join is not None and config.join_listen is not None:
+            join.servers = hub_urls(reachable_hosts(hub_host, config.advertise), bound_hub_port)
+            join_host, join_port = split_address(config.join_listen)
+            bound_join_port = await services.start(
+                partial(serve_join, join_host, join_port, join, advertise=config.advertise)
+            )
+            join_address = f"{join_host}:{bound_join_port}"
         await services.start(serve_leadership, store, cluster, holder, config.engine_ports)
         # The replicas' KV-cache usage, for the long-context routing profile.
         await services.start(serve_engine_metrics, cluster)
@@ -223,6 +236,7 @@ async def serve_control_plane(
                     metrics=metrics_address,
                     agent_hub=f"{hub_host}:{bound_hub_port}",
                     agent_token=agent_token,
+                    join=join_address,
                 )
             )
             # The listeners return once `stop` is set and their requests are done.
@@ -239,19 +253,36 @@ async def serve_control_plane(
         journal.close()
 
 
-async def _hub_tls(
-    config: ServerConfig, store: Store, data_dir: Path | None, hub_host: str
+def _join_service(
+    config: ServerConfig, store: Store, cluster: Cluster, data_dir: Path | None
+) -> JoinService | None:
+    """The join service when ``config`` has a join port, over the cluster CA
+    in ``DATA_DIR/ca`` (made on the first start).
+
+    Raises:
+        StartupError: a join port without a data directory, or a CA that
+            cannot be made or read.
+    """
+    if config.join_listen is None:
+        return None
+    if data_dir is None:
+        raise StartupError(
+            "a join port needs a data directory: the cluster CA lives in DATA_DIR/ca"
+        )
+    ca = ClusterCA.load_or_create(data_dir / "ca", server_names(config.advertise))
+    return JoinService(ca, store, cluster, servers=())
+
+
+def _hub_tls(
+    join: JoinService | None, store: Store, hub_host: str, advertise: Sequence[str]
 ) -> HubTLS | None:
     """Mutual TLS for the agents' hub when this control plane has a cluster
-    CA (``llmgw server``: ``config.join_listen`` set; made or loaded under
-    ``DATA_DIR/ca``); ``None`` for ``llmgw up`` (plain ws with the token)."""
-    if config.join_listen is None or data_dir is None:
+    CA (``llmgw server``, which has a join port); ``None`` for ``llmgw up``
+    (plain ws with the agent token on loopback)."""
+    if join is None:
         return None
-    ca = await trio.to_thread.run_sync(
-        ClusterCA.load_or_create, data_dir / CA_DIR, server_names(config.advertise)
+    return HubTLS(
+        context=join.ca.server_ssl_context(client_certs=True),
+        store=store,
+        hosts=tuple(reachable_hosts(hub_host, advertise)),
     )
-    if hub_host in ("", "0.0.0.0", "::"):
-        hosts = tuple(dict.fromkeys([*config.advertise, *machine_addresses()])) or ("127.0.0.1",)
-    else:
-        hosts = (hub_host,)
-    return HubTLS(context=ca.server_ssl_context(client_certs=True), store=store, hosts=hosts)

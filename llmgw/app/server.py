@@ -106,7 +106,8 @@ async def run_server(options: ServerOptions, say: Say = _say_to_stderr) -> None:
             addresses = running.addresses
             say(
                 f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
-                f"metrics http://{addresses.metrics}/metrics, agents wss://{addresses.agent_hub}/agent"
+                f"metrics http://{addresses.metrics}/metrics, agents wss://{addresses.agent_hub}/agent, "
+                f"join https://{addresses.join}"
             )
             nursery.start_soon(_report_ready, running.cluster, addresses.base_url, started, say)
 

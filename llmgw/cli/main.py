@@ -9,6 +9,8 @@ registered.
   ``llmgw stop|start|status`` (:mod:`.serving`) are clients of the admin API
   (address and admin token found in the data directory); each takes
   ``--json``;
+- ``llmgw node add`` prints a join code (:mod:`.node`, a client of the
+  admin API); ``llmgw join CODE`` joins this machine to a cluster (:mod:`.join`);
 - ``llmgw bench …`` when the benchmarks are installed (:mod:`.bench`).
 
 Errors are reported as :mod:`.errors` says. Each group's module is imported
@@ -39,7 +41,9 @@ COMMANDS: Final = {
     "bench": ("bench", "bench"),
     "ctl": ("ctl", "ctl"),
     "engine": ("engine", "engine"),
+    "join": ("join", "join"),
     "keys": ("keys", "keys"),
+    "node": ("node", "node"),
     "server": ("server", "server"),
     "start": ("serving", "start"),
     "status": ("serving", "status"),

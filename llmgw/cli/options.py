@@ -34,14 +34,16 @@ DEFAULT_DATA_DIR = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" /
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def data_dir_option() -> Callable[[F], F]:
+def data_dir_option(
+    help: str = "Where the store, weights and admin token live.",
+) -> Callable[[F], F]:
     """``--data-dir`` (passed as ``data_dir``, a :class:`~pathlib.Path`)."""
     return click.option(
         "--data-dir",
         type=click.Path(file_okay=False, path_type=Path),
         default=lambda: Path(os.environ.get("LLMGW_DATA_DIR", str(DEFAULT_DATA_DIR))),
         show_default="$LLMGW_DATA_DIR or ~/.local/share/llmgw",
-        help="Where the store, weights and admin token live.",
+        help=help,
     )
 
 

@@ -83,6 +83,10 @@ async def test_revoking_a_node_revokes_its_valid_certificates_only(store: Store)
 
 async def test_a_join_token_is_used_once(store: Store) -> None:
     await store.insert_join_token(make_token(node_id="node-b", labels={"rack": "r1"}))
+    assert await store.get_join_token(token_hash("t-1")) == make_token(
+        node_id="node-b", labels={"rack": "r1"}
+    )
+    assert await store.get_join_token(token_hash("t-2")) is None
     used = await store.use_join_token(token_hash("t-1"), now=1_500.0)
     assert used == make_token(node_id="node-b", labels={"rack": "r1"}, used_at=1_500.0)
 
@@ -91,6 +95,9 @@ async def test_a_join_token_is_used_once(store: Store) -> None:
     assert replayed.value.used_at == 1_500.0
     assert "already used at 1970-01-01 00:25:00 UTC" in str(replayed.value)
     assert replayed.value.status == 410
+    stored = await store.get_join_token(token_hash("t-1"))
+    assert stored is not None
+    assert stored.used_at == 1_500.0
 
 
 async def test_an_unknown_token_is_refused_as_unknown(store: Store) -> None:

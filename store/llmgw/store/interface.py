@@ -346,6 +346,10 @@ class Store(Protocol):
         """Keep a join code's token (by hash). Raises :class:`Conflict` if the hash exists."""
         ...
 
+    async def get_join_token(self, token_hash: str) -> JoinToken | None:
+        """The token with this hash, used or not, or ``None`` (nothing changes)."""
+        ...
+
     async def use_join_token(self, token_hash: str, now: float) -> JoinToken:
         """Use the token with this hash, once: it is marked used at ``now``.
 

@@ -594,6 +594,10 @@ class SqliteStore:
         """
         await self._run(partial(_insert_join_token, token=token))
 
+    async def get_join_token(self, token_hash: str) -> JoinToken | None:
+        """The token with this hash, used or not, or ``None`` (nothing changes)."""
+        return await self._run(partial(_select_join_token, token_hash=token_hash))
+
     async def use_join_token(self, token_hash: str, now: float) -> JoinToken:
         """Use the token with this hash, once: it is marked used at ``now``.
 
@@ -1693,6 +1697,13 @@ def _insert_join_token(conn: sqlite3.Connection, *, token: JoinToken) -> None:
 
 
 _JOIN_TOKEN_COLUMNS = "token_hash, created_at, expires_at, node_id, labels, used_at"
+
+
+def _select_join_token(conn: sqlite3.Connection, *, token_hash: str) -> JoinToken | None:
+    rows = _rows(
+        conn, f"SELECT {_JOIN_TOKEN_COLUMNS} FROM join_tokens WHERE token_hash = ?", (token_hash,)
+    )
+    return _join_token_from_row(rows[0]) if rows else None
 
 
 def _use_join_token(conn: sqlite3.Connection, *, token_hash: str, now: float) -> JoinToken:

@@ -1,0 +1,65 @@
+"""``llmgw join``: after joining it replaces itself with the node's agent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from llmgw.agent import join as agent_join
+from llmgw.agent.joincode import JoinCode
+from llmgw.cli import join as cli_join
+from llmgw.cli.main import cli
+
+CODE = JoinCode(("10.0.0.1:7444",), "tok", "sha256:" + "ab" * 32).encode()
+
+
+def test_the_agent_command_is_this_llmgw_with_the_nodes_config(tmp_path: Path) -> None:
+    argv = cli_join.agent_argv(tmp_path / "agent.yaml")
+    assert argv == [
+        sys.executable,
+        "-m",
+        "llmgw.cli",
+        "agent",
+        "--config",
+        str(tmp_path / "agent.yaml"),
+    ]
+    # The program and module named there run (the agent's own options aside).
+    done = subprocess.run(
+        [*argv[:3], "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "join" in done.stdout
+
+
+def test_join_execs_the_agent_once_joined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config_path = tmp_path / "agent.yaml"
+    seen: dict[str, object] = {}
+
+    def fake_join(code: JoinCode, data_dir: Path, **kw: object) -> agent_join.Joined:
+        seen.update(code=code, data_dir=data_dir, **kw)
+        return agent_join.Joined(
+            node_id="node-b",
+            config_path=config_path,
+            control_plane="10.0.0.1:7444",
+            servers=("wss://10.0.0.1:7443/agent",),
+            labels={},
+            serial="ab",
+        )
+
+    def fake_execv(path: str, argv: list[str]) -> None:
+        seen["exec"] = (path, argv)
+
+    monkeypatch.setattr(agent_join, "join_cluster", fake_join)
+    monkeypatch.setattr("os.execv", fake_execv)
+    result = CliRunner().invoke(
+        cli, ["join", CODE, "--data-dir", str(tmp_path), "--node-id", "node-b"]
+    )
+    assert result.exit_code == 0, result.output
+    assert seen["exec"] == (sys.executable, cli_join.agent_argv(config_path))
+    assert seen["node_id"] == "node-b"
+    assert seen["data_dir"] == tmp_path
+    assert f"starting the agent: llmgw agent --config {config_path}" in result.output
