@@ -638,23 +638,32 @@ async def _serve_tls_one(
             node_id = await admit(der)
         except errors.Refused as exc:
             refusal = exc
-    async with trio.open_nursery() as nursery:
-        try:
-            with trio.fail_after(CONNECT_TIMEOUT_S), _translating("agent"):
-                request = await trio_websocket.wrap_server_stream(
-                    nursery, stream, max_message_size=protocol.MAX_FRAME_BYTES
-                )
-        except (trio.TooSlowError, errors.LinkError) as exc:
-            log.warning(
-                "agent link from %s: no websocket handshake (%s)", peer, errors.describe(exc)
+        except errors.LlmgwError as exc:
+            # The store cannot be asked now (a StoreError): the agent retries.
+            log.warning("agent link from %s: certificate not checked: %s", peer, exc)
+            refusal = errors.Refused(
+                "the control plane cannot check this node's certificate now; trying again later"
             )
-            await trio.aclose_forcefully(stream)
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                with trio.fail_after(CONNECT_TIMEOUT_S), _translating("agent"):
+                    request = await trio_websocket.wrap_server_stream(
+                        nursery, stream, max_message_size=protocol.MAX_FRAME_BYTES
+                    )
+            except (trio.TooSlowError, errors.LinkError) as exc:
+                log.warning(
+                    "agent link from %s: no websocket handshake (%s)", peer, errors.describe(exc)
+                )
+                nursery.cancel_scope.cancel()
+                return
+            await _serve_one(
+                request, "", on_link, certified_node_id=node_id, refusal=refusal, peer=peer
+            )
             nursery.cancel_scope.cancel()
-            return
-        await _serve_one(
-            request, "", on_link, certified_node_id=node_id, refusal=refusal, peer=peer
-        )
-        nursery.cancel_scope.cancel()
+    finally:
+        # Its socket is closed here, not left to the garbage collector.
+        await trio.aclose_forcefully(stream)
 
 
 def _token_of(request: trio_websocket.WebSocketRequest) -> str:
