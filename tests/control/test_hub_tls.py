@@ -15,6 +15,7 @@ import warnings
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import attrs
 import pytest
@@ -346,3 +347,31 @@ async def test_the_agent_tries_each_control_plane_and_keeps_the_leader_s_list(
     ]
     assert tried, "the dead control plane was not tried first"
     assert f"trying {url}" in tried[0]
+
+
+class _StoreDown:
+    """A store that cannot be asked."""
+
+    async def get_node_certificate(self, serial: str) -> NodeCertificate | None:
+        raise errors.StoreError(f"database is locked (asked for {serial})")
+
+
+async def test_a_store_that_cannot_be_asked_refuses_the_link_for_now_and_the_hub_stays(
+    setup: Setup,
+) -> None:
+    files = await setup.node("node-b")
+    tls = HubTLS(
+        context=setup.ca.server_ssl_context(client_certs=True),
+        store=cast(Store, _StoreDown()),
+        hosts=("127.0.0.1",),
+    )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(
+                partial(serve_agent_hub, "127.0.0.1", 0, "", setup.cluster, tls=tls)
+            )
+            url = f"wss://127.0.0.1:{port}/agent"
+            for _ in range(2):  # the hub is still there for the next try
+                said = await _refusal(url, files, "node-b")
+                assert "cannot check this node's certificate now" in said
+            nursery.cancel_scope.cancel()
