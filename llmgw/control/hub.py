@@ -34,8 +34,9 @@ from llmgw.agent import protocol, session
 from llmgw.store import Store
 
 from .cluster import Cluster
+from .join import hub_urls
 
-__all__ = ["HubTLS", "admit_certificate", "hub_url", "serve_agent_hub"]
+__all__ = ["HubTLS", "admit_certificate", "serve_agent_hub"]
 
 log = logging.getLogger("llmgw.control.hub")
 
@@ -56,13 +57,6 @@ class HubTLS:
     context: ssl.SSLContext
     store: Store
     hosts: tuple[str, ...] = ()
-
-
-def hub_url(host: str, port: int) -> str:
-    """``wss://host:port/agent``, an IPv6 address in brackets."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"wss://{host}:{port}{session.PATH}"
 
 
 async def admit_certificate(store: Store, der: bytes) -> str:
@@ -141,7 +135,7 @@ async def serve_agent_hub(
         bound: int = await nursery.start(
             partial(session.serve_links, host, port, "", on_link, tls=tls.context, admit=admit)
         )
-        urls.extend(hub_url(name, bound) for name in tls.hosts)
+        urls.extend(hub_urls(tls.hosts, bound))
         task_status.started(bound)
     raise AssertionError("unreachable")
 
