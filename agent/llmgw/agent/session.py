@@ -469,6 +469,10 @@ async def _open_tls(
                 except trio.BrokenResourceError as exc:
                     await trio.aclose_forcefully(stream)
                     failure = exc
+                except BaseException:
+                    # Out of time (or cancelled): the socket is closed here too.
+                    await trio.aclose_forcefully(stream)
+                    raise
                 else:
                     watched = _WatchedStream(stream)
                     async with trio.open_nursery() as racing:
