@@ -98,6 +98,6 @@ def make_admin_app(
     add_config_routes(app, store, live)
     add_system_routes(app, cluster, live)
     add_model_routes(app, store, cluster, data_dir=data_dir)
-    add_node_routes(app, cluster, live)
+    add_node_routes(app, cluster, live, store)
     add_join_code_routes(app, join)
     return app

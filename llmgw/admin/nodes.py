@@ -9,6 +9,12 @@
   and move its replicas away), ``/uncordon`` (clears both) → ``{"node_id",
   "known", "cordoned", "draining", "changed", "version"}``; these edit the
   settings ``nodes.cordoned`` / ``nodes.draining``;
+- ``DELETE /api/v1/nodes/<id>`` → ``{"node_id", "revoked_certificates",
+  "stopped", "was_connected"}``: removes a node from the cluster: its
+  certificates are revoked (its next link is refused), its replicas'
+  engines are stopped when it is connected, its link is closed, and it is
+  forgotten, so that its replicas are placed elsewhere. 404 ``node_not_found``
+  for a node that has neither registered nor been issued a certificate;
 - ``GET /api/v1/logs?node=…&source=…&lines=N`` → ``{"node", "source",
   "lines"}``: a node agent's last lines, or a shard's (``source`` = a shard
   id); ``node`` may be left out when there is one node. 404
@@ -18,6 +24,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from typing import Any, Final
 
@@ -30,20 +38,25 @@ from llmgw.agent import protocol
 from llmgw.control.cluster import Cluster
 from llmgw.control.live import LiveSettings
 from llmgw.settings import with_key
+from llmgw.store import Store
 
 from .errors import BadRequest, NoSuch, known_names
 from .inputs import actor, query_flag, query_int
 from .views import node_view, replica_view
 
-__all__ = ["LOGS_TIMEOUT_S", "MAX_LOG_LINES", "add_node_routes"]
+__all__ = ["LOGS_TIMEOUT_S", "MAX_LOG_LINES", "REMOVE_SEND_S", "add_node_routes"]
+
+log = logging.getLogger("llmgw.admin.nodes")
 
 #: Deadline for a node to answer a logs request, in seconds.
 LOGS_TIMEOUT_S: Final = 10.0
+#: Deadline for each frame to a node being removed (a stop, the close), in seconds.
+REMOVE_SEND_S: Final = 5.0
 #: The most lines one logs request may ask for.
 MAX_LOG_LINES: Final = 2_000
 
 
-def add_node_routes(app: QuartTrio, cluster: Cluster, live: LiveSettings) -> None:
+def add_node_routes(app: QuartTrio, cluster: Cluster, live: LiveSettings, store: Store) -> None:
     """Add the routes of the module docstring to ``app``."""
 
     @app.get("/api/v1/nodes")
@@ -94,6 +107,48 @@ def add_node_routes(app: QuartTrio, cluster: Cluster, live: LiveSettings) -> Non
     @app.post("/api/v1/nodes/<node_id>/drain")
     async def drain(node_id: str) -> Any:
         return await mark_node(node_id, "drain")
+
+    @app.delete("/api/v1/nodes/<node_id>")
+    async def remove_node(node_id: str) -> Any:
+        certificates = await store.list_node_certificates(node_id)
+        node = cluster.nodes.get(node_id)
+        if node is None and not certificates:
+            raise NoSuch(
+                f"No node {node_id!r}; {known_names('nodes', cluster.nodes)}.",
+                code="node_not_found",
+            )
+        # Revoked first: from now on its links are refused.
+        revoked = await store.revoke_node_certificates(node_id, time.time())
+        send = node.send if node is not None else None
+        close = node.close if node is not None else None
+        # Forgotten at once: its replicas are placed elsewhere.
+        gone = cluster.forget_node(node_id)
+        stopped: list[str] = []
+        if send is not None:
+            for shard in gone:
+                stop = protocol.StopShard(correlation_id=uuid.uuid4().hex, shard_id=shard.shard_id)
+                try:
+                    with trio.fail_after(REMOVE_SEND_S):
+                        await send(stop)
+                except (errors.LinkError, trio.TooSlowError) as exc:
+                    log.warning("node %s: %s not stopped: %s", node_id, shard.shard_id, exc)
+                else:
+                    stopped.append(shard.replica_id)
+        if close is not None:
+            with trio.move_on_after(REMOVE_SEND_S):
+                await close(f"node {node_id} was removed from the cluster")
+        log.info(
+            "node %s removed: %d certificate(s) revoked, %d replica(s) stopped",
+            node_id,
+            revoked,
+            len(stopped),
+        )
+        return {
+            "node_id": node_id,
+            "revoked_certificates": revoked,
+            "stopped": sorted(stopped),
+            "was_connected": send is not None,
+        }
 
     @app.get("/api/v1/logs")
     async def logs() -> Any:

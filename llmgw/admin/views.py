@@ -127,7 +127,7 @@ _register(
 _register(
     NodeInfo,
     (
-        "node_id", "address", "connected", "agent_version", "last_seen",
+        "node_id", "address", "interface", "connected", "agent_version", "last_seen",
         "memory_available_mb", "load_1m", "memory_bandwidth_gbps", "core_bandwidth_gbps",
         "engines", "labels",
     ),

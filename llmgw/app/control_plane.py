@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -31,7 +32,7 @@ from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.ca import ClusterCA, server_names
 from llmgw.control.cluster import Cluster
-from llmgw.control.hub import serve_agent_hub
+from llmgw.control.hub import HubTLS, serve_agent_hub
 from llmgw.control.join import JoinService, hub_urls, reachable_hosts, serve_join
 from llmgw.control.live import LiveSettings, serve_settings
 from llmgw.control.reconciler import PortRange
@@ -207,8 +208,9 @@ async def serve_control_plane(
             partial(serve_usage_writer, usage, store, flush_interval_s=auth.flush_interval)
         )
         hub_host, hub_port = split_address(config.agent_listen)
+        hub_tls = _hub_tls(join, store, hub_host, config.advertise)
         bound_hub_port = await services.start(
-            serve_agent_hub, hub_host, hub_port, agent_token, cluster
+            partial(serve_agent_hub, hub_host, hub_port, agent_token, cluster, tls=hub_tls)
         )
         join_address = ""
         if join is not None and config.join_listen is not None:
@@ -269,3 +271,18 @@ def _join_service(
         )
     ca = ClusterCA.load_or_create(data_dir / "ca", server_names(config.advertise))
     return JoinService(ca, store, cluster, servers=())
+
+
+def _hub_tls(
+    join: JoinService | None, store: Store, hub_host: str, advertise: Sequence[str]
+) -> HubTLS | None:
+    """Mutual TLS for the agents' hub when this control plane has a cluster
+    CA (``llmgw server``, which has a join port); ``None`` for ``llmgw up``
+    (plain ws with the agent token on loopback)."""
+    if join is None:
+        return None
+    return HubTLS(
+        context=join.ca.server_ssl_context(client_certs=True),
+        store=store,
+        hosts=tuple(reachable_hosts(hub_host, advertise)),
+    )

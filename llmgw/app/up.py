@@ -41,14 +41,8 @@ be too soon.
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import json
 import logging
-import os
 import shlex
-import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Final
@@ -56,47 +50,52 @@ from typing import Final
 import attrs
 import trio
 
-from llmgw import errors
 from llmgw.agent.main import AgentConfig, serve_agent
 from llmgw.control.cluster import Cluster
-from llmgw.settings import ServerSettings, load_settings
-from llmgw.store import ModelRecord, open_store
+from llmgw.store import ModelRecord
 
-from .control_plane import Addresses, ServerConfig, serve_control_plane
-from .listen import split_address
-from .up_files import (
-    RUN_FILE,
-    ensure_admin_token,
-    ensure_client_key,
-    migrate_admin_key,
-    remove_run_file,
-    write_agent_token,
-    write_run_file,
+from .control_plane import Addresses, ServerConfig
+from .process import (
+    LISTENERS_CLOSE_S,
+    SAME_SIGNAL_WITHIN_S,
+    STOP_AFTER_GRACE_S,
+    Beside,
+    DataDirLock,
+    Started,
+    StartError,
+    load_process_settings,
+    serve_process,
+    serve_signals,
 )
+from .process import check_listeners as check_addresses
+from .up_files import write_agent_token
 from .up_models import Say, check_model_file, model_records, set_catalog
-from .up_prices import first_start_prices, names_default_price
 
-__all__ = ["UpError", "UpOptions", "check_listeners", "run_up"]
+__all__ = [
+    "LISTENERS_CLOSE_S",
+    "SAME_SIGNAL_WITHIN_S",
+    "STOP_AFTER_GRACE_S",
+    "UpError",
+    "UpOptions",
+    "check_listeners",
+    "run_up",
+]
 
 log = logging.getLogger("llmgw.up")
 
 #: The in-process agent's state directory, under the data directory.
 AGENT_STATE_DIR: Final = "agent"
-#: The stop's bound: a signal's stop returns within the grace plus this,
-#: in seconds, whatever is in flight (``docs/up.md``, Stopping). What is
-#: left of the control plane and the agent then is cancelled; the parts
-#: that must finish (a cut stream's last event, the engines' SIGKILL) have
-#: their own shorter bounds.
-STOP_AFTER_GRACE_S: Final = 4.0
-#: After the grace, how long the listeners may take to close (a cut
-#: stream's error event gets 1 s), in seconds.
-LISTENERS_CLOSE_S: Final = 1.5
 #: How long the engines of the agent run here get between SIGTERM and
 #: SIGKILL, in seconds (then at most ``REAP_DEADLINE_S`` to be reaped).
 ENGINE_STOP_GRACE_S: Final = 1.0
 #: How long the agent run here gets to close its link and stop its engines
 #: before what is left of it is cancelled, in seconds.
 AGENT_STOP_S: Final = 3.0
+
+#: ``llmgw up`` cannot start; the message says why and what to do.
+UpError = StartError
+# The signals' task, under its older name (tests drive it).
+_serve_signals = serve_signals
 
 
 @attrs.frozen(kw_only=True)
@@ -143,153 +142,114 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
         check_model_file(options.engine, options.model)
     data_dir = options.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
-    config_path = options.config
-    if config_path is None and (data_dir / "server.yaml").exists():
-        config_path = data_dir / "server.yaml"
-    settings = load_settings(config_path)
-    if config_path is not None:
-        say(f"settings from {config_path}")
-    price_given = names_default_price(config_path)
-    with _DataDirLock(data_dir):
+    loaded = load_process_settings(data_dir, options.config, say)
+    with DataDirLock(data_dir, "llmgw up"):
         # Before the slow work (the starter model's check, the store): a
         # port taken by another llmgw is said at once, naming the option.
         check_listeners(options)
         models = await model_records(options, data_dir, say)
-        source = None if config_path is None else str(config_path)
-        await _run_locked(options, settings, price_given, source, data_dir, models, started, say)
+        config = ServerConfig(
+            listen=options.listen,
+            admin_listen=options.admin_listen,
+            metrics_listen=options.metrics_listen,
+            agent_listen=options.agent_listen,
+            engine_ports=options.engine_ports,
+            grace_s=options.grace_s,
+            settings=loaded.settings,
+            settings_source=None if loaded.source is None else str(loaded.source),
+        )
+        beside = _AgentBeside(options, data_dir, models, started, say)
+        await serve_process(config, data_dir, loaded.price_given, beside.beside(), say)
 
 
-async def _run_locked(
-    options: UpOptions,
-    settings: ServerSettings,
-    price_given: bool,
-    settings_source: str | None,
-    data_dir: Path,
-    models: list[ModelRecord],
-    started: float,
-    say: Say,
-) -> None:
-    stop = trio.Event()
-    async with trio.open_nursery() as root:
-        root.start_soon(_serve_signals, stop, root.cancel_scope, say, options.grace_s)
-        db_path = data_dir / "llmgw.db"
-        async with open_store(str(db_path)) as store:
-            say(f"store ready: {db_path}")
-            settings = await first_start_prices(store, settings, price_given=price_given, say=say)
-            cluster = Cluster()
-            config = ServerConfig(
-                listen=options.listen,
-                admin_listen=options.admin_listen,
-                metrics_listen=options.metrics_listen,
-                agent_listen=options.agent_listen,
-                engine_ports=options.engine_ports,
-                grace_s=options.grace_s,
-                settings=settings,
-                settings_source=settings_source,
+class _AgentBeside:
+    """What ``llmgw up`` runs beside its control plane: the catalog of its
+    flags, the agent (unless ``--no-agent``) and the "ready" line."""
+
+    def __init__(
+        self,
+        options: UpOptions,
+        data_dir: Path,
+        models: list[ModelRecord],
+        started: float,
+        say: Say,
+    ) -> None:
+        self._options = options
+        self._data_dir = data_dir
+        self._models = models
+        self._started = started
+        self._say = say
+        self._agent_stop = trio.Event()
+        # The agent's link ends before the hub closes: a stop, not a lost link.
+        self._agent_stopped = trio.Event()
+
+    def beside(self) -> Beside:
+        return Beside(
+            prepare=self._prepare,
+            start=self._start,
+            stop=self._stop,
+            agents_stopped=self._agent_stopped,
+        )
+
+    async def _prepare(self, started: Started) -> None:
+        await set_catalog(started.store, self._models, self._say)
+        started.cluster.poke()
+
+    async def _start(self, started: Started, nursery: trio.Nursery) -> None:
+        options, say, addresses = self._options, self._say, started.addresses
+        token_path = write_agent_token(self._data_dir, addresses.agent_token)
+        say(
+            f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
+            f"metrics http://{addresses.metrics}/metrics"
+        )
+        agent_config = AgentConfig(
+            server_url=f"ws://{addresses.agent_hub}/agent",
+            token=addresses.agent_token,
+            llamacpp_bin=options.llamacpp_bin,
+            owns_engines=True,
+            state_dir=self._data_dir / AGENT_STATE_DIR,
+            engine_stop_grace_s=ENGINE_STOP_GRACE_S,
+            stop=self._agent_stop,
+        )
+
+        async def agent_here(*, task_status: trio.TaskStatus[object]) -> None:
+            try:
+                await serve_agent(agent_config, task_status=task_status)
+            finally:
+                self._agent_stopped.set()
+
+        if options.agent:
+            await nursery.start(agent_here)
+        else:
+            say(
+                "no agent in this process (--no-agent); start one with:\n"
+                f"  llmgw agent --server ws://{addresses.agent_hub}/agent "
+                f"--token-file {shlex.quote(str(token_path))}"
             )
-            listeners_closed = trio.Event()
-            # The agent's link ends before the hub closes: a stop, not a lost link.
-            agent_stopped = trio.Event()
+        nursery.start_soon(
+            _report_progress,
+            started.cluster,
+            self._models[0].name,
+            addresses,
+            started.client_key,
+            self._started,
+            say,
+        )
 
-            async def control_plane(*, task_status: trio.TaskStatus[Addresses]) -> None:
-                try:
-                    await serve_control_plane(
-                        config,
-                        store,
-                        cluster,
-                        stop,
-                        listeners_closed=listeners_closed,
-                        agents_stopped=agent_stopped,
-                        task_status=task_status,
-                    )
-                finally:
-                    listeners_closed.set()
-
-            async with trio.open_nursery() as cp:
-                # Listen first: a start that cannot bind its ports changes nothing.
-                addresses: Addresses = await cp.start(control_plane)
-                ensure_admin_token(data_dir, say)
-                await migrate_admin_key(store, data_dir, say)
-                client_key = await ensure_client_key(
-                    store, data_dir, settings.auth.max_key_ttl, say
-                )
-                await set_catalog(store, models, say)
-                cluster.poke()
-                write_run_file(data_dir, addresses)
-                # Removed however this ends, a second signal's hard stop included.
-                try:
-                    token_path = write_agent_token(data_dir, addresses.agent_token)
-                    say(
-                        f"control plane listening: API {addresses.base_url}, admin http://{addresses.admin}, "
-                        f"metrics http://{addresses.metrics}/metrics"
-                    )
-                    agent_stop = trio.Event()
-                    agent_config = AgentConfig(
-                        server_url=f"ws://{addresses.agent_hub}/agent",
-                        token=addresses.agent_token,
-                        llamacpp_bin=options.llamacpp_bin,
-                        owns_engines=True,
-                        state_dir=data_dir / AGENT_STATE_DIR,
-                        engine_stop_grace_s=ENGINE_STOP_GRACE_S,
-                        stop=agent_stop,
-                    )
-
-                    async def agent_here(*, task_status: trio.TaskStatus[object]) -> None:
-                        try:
-                            await serve_agent(agent_config, task_status=task_status)
-                        finally:
-                            agent_stopped.set()
-
-                    async with trio.open_nursery() as agent:
-                        if options.agent:
-                            await agent.start(agent_here)
-                        else:
-                            say(
-                                "no agent in this process (--no-agent); start one with:\n"
-                                f"  llmgw agent --server ws://{addresses.agent_hub}/agent "
-                                f"--token-file {shlex.quote(str(token_path))}"
-                            )
-                        agent.start_soon(
-                            _report_progress,
-                            cluster,
-                            models[0].name,
-                            addresses,
-                            client_key,
-                            started,
-                            say,
-                        )
-                        await stop.wait()
-                        # The stop's bound: whatever is left then is cancelled.
-                        cp.cancel_scope.deadline = (
-                            trio.current_time() + options.grace_s + STOP_AFTER_GRACE_S
-                        )
-                        with trio.move_on_after(options.grace_s + LISTENERS_CLOSE_S):
-                            await listeners_closed.wait()
-                        # No request is left for the engines: they stop while
-                        # the control plane writes its usage rows.
-                        if options.agent:
-                            say("stopping the engines")
-                            # Its link closes as a stop, then its engines stop.
-                            agent_stop.set()
-                            with trio.move_on_after(AGENT_STOP_S):
-                                await agent_stopped.wait()
-                        agent.cancel_scope.cancel()
-                finally:
-                    agent_stopped.set()
-                    remove_run_file(data_dir)
-        say("stopped")
-        root.cancel_scope.cancel()
-
-
-class UpError(errors.StartupError):
-    """``llmgw up`` cannot start; the message says why and what to do."""
+    async def _stop(self) -> None:
+        # No request is left for the engines: they stop while the control
+        # plane writes its usage rows.
+        if self._options.agent:
+            self._say("stopping the engines")
+            # Its link closes as a stop, then its engines stop.
+            self._agent_stop.set()
+            with trio.move_on_after(AGENT_STOP_S):
+                await self._agent_stopped.wait()
 
 
 def check_listeners(options: UpOptions) -> None:
-    """Bind (and close at once) a socket on each listen address of
-    ``options`` with a fixed port (port 0 is any free one, never taken), as
-    the listeners do (``SO_REUSEADDR``), so a port in use is refused before
-    anything starts.
+    """Refuse, before anything starts, a listen address of ``options`` that
+    cannot be bound (:func:`llmgw.app.process.check_listeners`).
 
     Raises:
         UpError: one line naming the first address that cannot be bound,
@@ -297,109 +257,14 @@ def check_listeners(options: UpOptions) -> None:
             e.g. ``cannot listen on 127.0.0.1:8080 (client API): address
             already in use; is another llmgw running? Use --listen HOST:PORT``.
     """
-    listeners = (
-        (options.listen, "client API", "--listen"),
-        (options.admin_listen, "admin API", "--admin-listen"),
-        (options.metrics_listen, "metrics", "--metrics-listen"),
-        (options.agent_listen, "agents' hub", "--agent-listen"),
+    check_addresses(
+        (
+            (options.listen, "client API", "--listen"),
+            (options.admin_listen, "admin API", "--admin-listen"),
+            (options.metrics_listen, "metrics", "--metrics-listen"),
+            (options.agent_listen, "agents' hub", "--agent-listen"),
+        )
     )
-    for address, what, option in listeners:
-        try:
-            host, port = split_address(address)
-        except ValueError:
-            raise UpError(f"{option} {address}: not HOST:PORT") from None
-        if port == 0:
-            continue
-        reason = _cannot_bind(host, port)
-        if reason is not None:
-            raise UpError(f"cannot listen on {address} ({what}): {reason} Use {option} HOST:PORT")
-
-
-def _cannot_bind(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be bound for TCP (a sentence, its stop
-    included), or ``None`` when it can."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return f"unknown host ({exc.strerror})."
-    for family, kind, proto, _, sockaddr in infos:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(sockaddr)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return "address already in use; is another llmgw running?"
-            return f"{(exc.strerror or errors.describe(exc)).lower()}."
-    return None
-
-
-class _DataDirLock:
-    """An exclusive lock on ``DATA_DIR/llmgw.lock`` for as long as ``up`` runs,
-    so two ``llmgw up`` never share one store."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self._path = data_dir / "llmgw.lock"
-        self._fd = -1
-
-    def __enter__(self) -> None:
-        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            holder = ""
-            try:
-                holder = f" (pid {json.loads((self._path.parent / RUN_FILE).read_text())['pid']})"
-            except (OSError, ValueError, KeyError):
-                pass
-            raise UpError(
-                f"another llmgw up is using {self._path.parent}{holder}; stop it, or pass "
-                "another --data-dir"
-            ) from None
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self._fd)
-
-
-#: A second signal this soon after the first is the same Ctrl-C delivered
-#: twice (a terminal signals the process group, and ``uv run`` forwards it).
-SAME_SIGNAL_WITHIN_S: Final = 2.0
-
-
-async def _serve_signals(
-    stop: trio.Event, hard: trio.CancelScope, say: Say, grace_s: float
-) -> None:
-    """Set ``stop`` at the first SIGINT or SIGTERM, saying how the stop goes
-    and how to hurry it; cancel ``hard`` at a second one
-    :data:`SAME_SIGNAL_WITHIN_S` or more after the first. One sooner is
-    taken as the same signal delivered twice, and said so once."""
-    first_at = 0.0
-    too_soon_said = False
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            again = "Ctrl-C" if signum == signal.SIGINT else name
-            if not stop.is_set():
-                say(
-                    f"{name}: stopping: no new requests; those in flight get up to "
-                    f"{grace_s:g} s; {again} again (after {SAME_SIGNAL_WITHIN_S:g} s) stops at once"
-                )
-                first_at = trio.current_time()
-                stop.set()
-                continue
-            since_s = trio.current_time() - first_at
-            if since_s >= SAME_SIGNAL_WITHIN_S:
-                say(f"second {name}: stopping now")
-                hard.cancel()
-                return
-            if not too_soon_said:
-                too_soon_said = True
-                say(
-                    f"{name} {since_s:.1f} s after the first: too soon, taken as the same one "
-                    f"(a terminal and `uv run` may both deliver it); to stop at once, {again} "
-                    f"again {SAME_SIGNAL_WITHIN_S:g} s or more after the first"
-                )
 
 
 def _answers(cluster: Cluster, model: str) -> bool:

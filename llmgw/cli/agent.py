@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -10,17 +11,30 @@ from llmgw import errors
 
 from .errors import first_leaf
 
+if TYPE_CHECKING:
+    from llmgw.agent.main import AgentConfig
+
 __all__ = ["agent"]
 
 
 @click.command("agent")
 @click.option(
-    "--server", required=True, help="The control plane's agent hub, ws://HOST:7443/agent."
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The node's agent.yaml ('llmgw join CODE' writes it): control planes, TLS files.",
+)
+@click.option(
+    "--server",
+    default=None,
+    help="The control plane's agent hub, ws://HOST:7443/agent (with --token-file; "
+    "for 'llmgw up --no-agent').",
 )
 @click.option(
     "--token-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    required=True,
+    default=None,
     help="A file holding the agent token (llmgw up writes DATA_DIR/agent-token).",
 )
 @click.option("--node-id", default="", help="This node's name (default: the host name).")
@@ -33,15 +47,43 @@ __all__ = ["agent"]
 )
 @click.option("--llama-server", "llamacpp_bin", default=None, help="A llama-server binary to use.")
 def agent(
-    server: str, token_file: Path, node_id: str, state_dir: Path | None, llamacpp_bin: str | None
+    config_path: Path | None,
+    server: str | None,
+    token_file: Path | None,
+    node_id: str,
+    state_dir: Path | None,
+    llamacpp_bin: str | None,
 ) -> None:
     """Run a node agent until SIGINT or SIGTERM; its engines keep running and
     the next agent on the same state directory adopts them."""
-    import trio
+    import attrs
 
-    from llmgw.agent.main import AgentConfig, run_agent
-    from llmgw.agent.state import StateDirBusy
+    from llmgw.agent.main import AgentConfig
 
+    if config_path is not None:
+        if server is not None or token_file is not None:
+            raise click.UsageError(
+                "--config takes no --server or --token-file (agent.yaml has them)"
+            )
+        from llmgw.agent.config import agent_config, load_agent_yaml
+
+        try:
+            config = agent_config(load_agent_yaml(config_path))
+        except errors.InvalidInput as exc:
+            raise click.ClickException(errors.describe(exc)) from None
+        if node_id and node_id != config.node_id:
+            raise click.ClickException(
+                f"--node-id {node_id} but this node's certificate is for {config.node_id}"
+            )
+        config = attrs.evolve(
+            config,
+            state_dir=state_dir or config.state_dir,
+            llamacpp_bin=llamacpp_bin or config.llamacpp_bin,
+        )
+        _run(config)
+        return
+    if server is None or token_file is None:
+        raise click.UsageError("give --config agent.yaml, or --server and --token-file")
     if not server.startswith(("ws://", "wss://")):
         raise click.BadParameter(f"{server!r} is not ws://HOST:PORT/agent", param_hint="--server")
     try:
@@ -57,6 +99,15 @@ def agent(
         state_dir=state_dir,
         llamacpp_bin=llamacpp_bin,
     )
+    _run(config)
+
+
+def _run(config: AgentConfig) -> None:
+    import trio
+
+    from llmgw.agent.main import run_agent
+    from llmgw.agent.state import StateDirBusy
+
     try:
         trio.run(run_agent, config)
     except* (StateDirBusy, OSError) as group:

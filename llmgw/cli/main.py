@@ -1,7 +1,8 @@
 """The ``llmgw`` command: the root group, and where each command group is
 registered.
 
-- ``llmgw up`` runs everything on one machine (:mod:`.up`); ``llmgw agent``
+- ``llmgw up`` runs everything on one machine (:mod:`.up`); ``llmgw server``
+  the control plane alone (:mod:`.server`); ``llmgw agent``
   a node agent (:mod:`.agent`); ``llmgw engine sim|llamacpp`` are the engine
   launchers the agent starts (:mod:`.engine`);
 - ``llmgw keys …`` (:mod:`.keys`), ``llmgw ctl …`` (:mod:`.ctl`) and
@@ -45,6 +46,7 @@ COMMANDS: Final = {
     "join": ("join", "join"),
     "keys": ("keys", "keys"),
     "node": ("node", "node"),
+    "server": ("server", "server"),
     "start": ("serving", "start"),
     "status": ("serving", "status"),
     "stop": ("serving", "stop"),

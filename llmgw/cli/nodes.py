@@ -1,4 +1,4 @@
-"""``llmgw ctl nodes``, ``ctl replicas``, ``ctl cordon|uncordon|drain`` and
+"""``llmgw ctl nodes`` (and ``ctl nodes remove NODE``), ``ctl replicas``, ``ctl cordon|uncordon|drain`` and
 ``ctl logs``: the nodes and their replicas, through the admin API
 (:mod:`llmgw.admin.nodes`)."""
 
@@ -16,11 +16,15 @@ from .options import ago, data_dir_option, format_table, json_option, path_part,
 __all__ = ["ctl_logs", "ctl_nodes", "ctl_replicas", "node_commands", "print_replicas"]
 
 
-@click.command("nodes")
+@click.group("nodes", invoke_without_command=True)
 @data_dir_option()
 @json_option()
-def ctl_nodes(data_dir: Path, as_json: bool) -> None:
-    """Nodes: link, CPUs, memory, GPUs, engines, cordons and replicas."""
+@click.pass_context
+def ctl_nodes(ctx: click.Context, data_dir: Path, as_json: bool) -> None:
+    """Nodes: address, link, CPUs, memory, GPUs, engines, cordons and replicas
+    ('ctl nodes remove NODE' takes one out of the cluster)."""
+    if ctx.invoked_subcommand is not None:
+        return
     doc = AdminClient.from_data_dir(data_dir).call("GET", "/api/v1/nodes")
     if as_json:
         print_json(doc)
@@ -39,6 +43,7 @@ def ctl_nodes(data_dir: Path, as_json: bool) -> None:
             [
                 node["node_id"],
                 node["address"],
+                node.get("interface") or "-",
                 "up" if node["connected"] else "DOWN",
                 f"{reserved.get('cpu_cores', 0)}/{node['cpu_count']}",
                 f"{reserved.get('memory_gb', 0.0):.1f}",
@@ -55,6 +60,7 @@ def ctl_nodes(data_dir: Path, as_json: bool) -> None:
             [
                 "NODE",
                 "ADDRESS",
+                "IFACE",
                 "LINK",
                 "CORES RSVD/ALL",
                 "MEM GB RSVD",
@@ -67,6 +73,26 @@ def ctl_nodes(data_dir: Path, as_json: bool) -> None:
             ],
             rows,
         )
+    )
+
+
+@ctl_nodes.command("remove")
+@click.argument("node")
+@data_dir_option()
+@json_option()
+def ctl_nodes_remove(node: str, data_dir: Path, as_json: bool) -> None:
+    """Take NODE out of the cluster: revoke its certificate (its agent is
+    refused from now on), stop its replicas' engines, close its link; its
+    replicas are placed on the other nodes."""
+    doc = AdminClient.from_data_dir(data_dir).call("DELETE", f"/api/v1/nodes/{path_part(node)}")
+    if as_json:
+        print_json(doc)
+        return
+    stopped = ", ".join(doc["stopped"]) or "none"
+    click.echo(
+        f"node {node} removed: {doc['revoked_certificates']} certificate(s) revoked; "
+        f"replicas stopped there: {stopped}"
+        + ("" if doc["was_connected"] else " (it was not connected)")
     )
 
 

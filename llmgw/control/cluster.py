@@ -79,11 +79,16 @@ class NodeInfo:
     address: str
     hardware: protocol.Hardware
     agent_version: str
+    #: The network interface ``address`` is on, as the agent reported it.
+    interface: str = ""
     connected: bool = True
     last_seen: float = 0.0
     memory_available_mb: int = 0
     load_1m: float = 0.0
     send: Callable[[protocol.Message], Awaitable[None]] | None = None
+    #: Closes the node's link with a reason (``ctl nodes remove``); ``None``
+    #: while it is not connected.
+    close: Callable[[str], Awaitable[None]] | None = None
     busy_ports: set[int] = attrs.field(factory=set)
     engines: tuple[str, ...] = ()
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -471,7 +476,10 @@ class Cluster:
     # --- from the hub -----------------------------------------------------------
 
     def node_registered(
-        self, register: protocol.Register, send: Callable[[protocol.Message], Awaitable[None]]
+        self,
+        register: protocol.Register,
+        send: Callable[[protocol.Message], Awaitable[None]],
+        close: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         """A node (re)connected: record it and reconcile its running shards.
 
@@ -491,11 +499,13 @@ class Cluster:
         node = NodeInfo(
             node_id=register.node_id,
             address=register.address,
+            interface=register.interface,
             hardware=register.hardware,
             agent_version=register.agent_version,
             last_seen=now,
             memory_available_mb=register.hardware.memory_available_mb,
             send=send,
+            close=close,
             busy_ports=previous.busy_ports if previous is not None else set(),
             engines=tuple(register.engines),
             labels=dict(register.labels),
@@ -593,8 +603,22 @@ class Cluster:
         if node is not None:
             node.connected = False
             node.send = None
+            node.close = None
             node.disconnected_at = self.now()
         self.poke()
+
+    def forget_node(self, node_id: str) -> list[ShardInfo]:
+        """Forget ``node_id`` and its shards at once (``ctl nodes remove``),
+        so that the reconciler places its replicas elsewhere; the shards
+        forgotten (their engines are the caller's to stop). Nothing for a
+        node it does not know."""
+        self._nodes.pop(node_id, None)
+        gone = [s for s in self._shards.values() if s.node_id == node_id]
+        for shard in gone:
+            del self._shards[shard.shard_id]
+        self._rebuild_endpoints()
+        self.poke()
+        return gone
 
     def heartbeat(self, beat: protocol.Heartbeat) -> None:
         """Fold a heartbeat in: memory, load, measured bandwidth, and the

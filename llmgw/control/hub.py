@@ -1,28 +1,99 @@
 """The agents' hub: the websocket endpoint every agent keeps a link to.
 
-Links follow the rules of :mod:`llmgw.agent.session` (token, ``Register``
-first within its deadline, version check, keepalive, ``Error`` answers to
-frames that cannot be read). Once an agent has registered, the hub feeds
-its heartbeats and shard status into the
+Links follow the rules of :mod:`llmgw.agent.session` (token or mutual
+TLS, ``Register`` first within its deadline, version check, keepalive,
+``Error`` answers to frames that cannot be read). Once an agent has
+registered, the hub feeds its heartbeats and shard status into the
 :class:`~llmgw.control.cluster.Cluster` and hands replies to whoever asked.
 A second agent registering a node already connected is refused.
+
+With a cluster CA (``llmgw server``, :class:`HubTLS`) the hub listens with
+mutual TLS and admits a certificate only when the store has it as issued
+and not revoked (:func:`admit_certificate`); the node id is the
+certificate's CN, and a ``Register`` naming another node is refused. After
+``Registered`` it sends the agent hubs' URLs (``ControlPlanes``) so that the
+agent can try each when it reconnects (``docs/cluster.md``).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import NoReturn
 
+import attrs
 import trio
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from llmgw import errors
 from llmgw.agent import protocol, session
+from llmgw.store import Store
 
 from .cluster import Cluster
+from .join import hub_urls
 
-__all__ = ["serve_agent_hub"]
+__all__ = ["HubTLS", "admit_certificate", "serve_agent_hub"]
 
 log = logging.getLogger("llmgw.control.hub")
+
+
+@attrs.frozen(kw_only=True)
+class HubTLS:
+    """Mutual TLS on the agents' hub.
+
+    Attributes:
+        context: the server context, client certificates required against
+            the cluster CA (``ClusterCA.server_ssl_context(client_certs=True)``).
+        store: where the issued certificates are looked up.
+        hosts: the names or addresses agents reach the hub by; each agent is
+            sent ``wss://HOST:PORT/agent`` for each (``ControlPlanes``, the
+            bound port), none when empty.
+    """
+
+    context: ssl.SSLContext
+    store: Store
+    hosts: tuple[str, ...] = ()
+
+
+async def admit_certificate(store: Store, der: bytes) -> str:
+    """The node id of an agent's certificate (DER), signed by the cluster CA
+    already (the TLS handshake checked that): its CN, when the store has the
+    certificate as issued to that node and not revoked.
+
+    Raises:
+        Refused: not issued by this cluster (unknown serial), revoked (with
+            when), or its CN not the node it was issued to.
+        StoreError: the store cannot be reached.
+    """
+    try:
+        cert = x509.load_der_x509_certificate(der)
+    except ValueError:
+        raise errors.Refused("this node's certificate cannot be read") from None
+    serial = format(cert.serial_number, "x")
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    common_name = names[0].value if names else ""
+    cn = common_name if isinstance(common_name, str) else common_name.decode()
+    record = await store.get_node_certificate(serial)
+    if record is None:
+        log.warning("agent certificate %s (node %r) has no record in this cluster", serial, cn)
+        raise errors.Refused(
+            f"node {cn!r}: certificate not issued by this cluster; join again with a new code"
+        )
+    if record.revoked_at is not None:
+        when = dt.datetime.fromtimestamp(record.revoked_at, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        raise errors.Refused(
+            f"node {record.node_id!r}: certificate revoked at {when} UTC; "
+            "join again with a new code"
+        )
+    if record.node_id != cn:
+        raise errors.Refused(
+            f"node id mismatch: the certificate names {cn!r} but was issued to {record.node_id!r}"
+        )
+    return record.node_id
 
 
 async def serve_agent_hub(
@@ -31,27 +102,45 @@ async def serve_agent_hub(
     token: str,
     cluster: Cluster,
     *,
+    tls: HubTLS | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Accept agent links on ``host:port`` until cancelled.
 
     Args:
         host, port: where to listen (port 0 picks a free one).
-        token: the agent token links must present (``Authorization: Bearer``).
+        token: the agent token links must present (``Authorization:
+            Bearer``) without ``tls``.
         cluster: where the nodes' state goes.
+        tls: mutual TLS (``llmgw server``); ``None``: plain ``ws://`` with
+            the token (``llmgw up``'s loopback agent).
 
     Returns:
         Never returns unless cancelled; ``task_status.started`` gets the
         bound port.
     """
+    urls: list[str] = []
 
     async def on_link(link: session.Link) -> None:
-        await _handle(link, cluster)
+        await _handle(link, cluster, tuple(urls))
 
-    await session.serve_links(host, port, token, on_link, task_status=task_status)
+    if tls is None:
+        await session.serve_links(host, port, token, on_link, task_status=task_status)
+    store = tls.store
+
+    async def admit(der: bytes) -> str:
+        return await admit_certificate(store, der)
+
+    async with trio.open_nursery() as nursery:
+        bound: int = await nursery.start(
+            partial(session.serve_links, host, port, "", on_link, tls=tls.context, admit=admit)
+        )
+        urls.extend(hub_urls(tls.hosts, bound))
+        task_status.started(bound)
+    raise AssertionError("unreachable")
 
 
-async def _handle(link: session.Link, cluster: Cluster) -> None:
+async def _handle(link: session.Link, cluster: Cluster, urls: tuple[str, ...] = ()) -> None:
     """One agent's link, from its ``Register`` until it ends.
 
     Raises:
@@ -63,6 +152,19 @@ async def _handle(link: session.Link, cluster: Cluster) -> None:
     node_id = ""
     try:
         first = await session.await_register(link)
+        certified = link.certified_node_id
+        if certified and first.node_id != certified:
+            log.warning("agent link refused: node %s registered as %r", certified, first.node_id)
+            await link.refuse(
+                errors.Refused(
+                    f"node id mismatch: this node's certificate is for {certified!r}, "
+                    f"it registered as {first.node_id!r}; set node_id: {certified} in agent.yaml "
+                    "or leave it out"
+                ),
+                session.POLICY_VIOLATION,
+                "node id mismatch",
+            )
+            return
         existing = cluster.nodes.get(first.node_id)
         if existing is not None and existing.connected and existing.send is not None:
             # Another agent holds this node's link: two agents for one node
@@ -81,16 +183,19 @@ async def _handle(link: session.Link, cluster: Cluster) -> None:
             return
         node_id = first.node_id
         link.name = f"node {node_id}"
-        cluster.node_registered(first, send)
+        cluster.node_registered(first, send, _closer(link))
         log.info(
-            "agent registered: node %s at %s (%d CPUs, %d MiB, %d GPUs)",
+            "agent registered: node %s at %s%s (%d CPUs, %d MiB, %d GPUs)",
             node_id,
             first.address,
+            f" ({first.interface})" if first.interface else "",
             first.hardware.cpu_count,
             first.hardware.memory_total_mb,
             len(first.hardware.gpus),
         )
         await send(protocol.Registered(node_id=node_id))
+        if urls:
+            await send(protocol.ControlPlanes(urls=urls))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(link.keepalive)
             while True:
@@ -100,6 +205,15 @@ async def _handle(link: session.Link, cluster: Cluster) -> None:
         if node is not None and node.send is send:
             # Only this link's own node: a later link of the same node stays.
             cluster.node_disconnected(node_id)
+
+
+def _closer(link: session.Link) -> Callable[[str], Awaitable[None]]:
+    """Closes ``link`` as a refusal with a reason (``ctl nodes remove``)."""
+
+    async def close(reason: str) -> None:
+        await link.refuse(errors.Refused(reason), session.POLICY_VIOLATION, reason[:120])
+
+    return close
 
 
 def _dispatch(cluster: Cluster, node_id: str, message: protocol.Message) -> None:

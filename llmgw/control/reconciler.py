@@ -555,7 +555,9 @@ async def _start(cluster: Cluster, shard: ShardInfo, model: ModelRecord, profile
         profile=engine_profile(model, profile),
         port=shard.port,
         api_key=engine_key(cluster.secret, shard.replica_id),
-        bind_addr="127.0.0.1" if node.address.startswith("127.") else "0.0.0.0",
+        # The address the node is reached by, not every interface; the engine
+        # key guards it.
+        bind_addr=node.address or "127.0.0.1",
         gpu_indices=shard.gpu_indices,
         fingerprint=shard.fingerprint,
     )

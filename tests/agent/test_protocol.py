@@ -49,6 +49,7 @@ EXAMPLES: list[protocol.Message] = [
             gpus=(Gpu(index=0, name="H100", memory_total_mb=81_559, compute_capability="9.0"),),
             cpu_flags=("avx2", "fma"),
         ),
+        interface="eth0",
         engines=("llamacpp", "sim"),
         running_shards=(
             RunningShard(
@@ -65,6 +66,7 @@ EXAMPLES: list[protocol.Message] = [
     LogsReply(correlation_id="c", lines=("a", "b")),
     protocol.Error(message="nope", correlation_id="c"),
     protocol.Registered(node_id="n1"),
+    protocol.ControlPlanes(urls=("wss://10.0.0.1:7443/agent", "wss://[fd00::1]:7443/agent")),
     StartShard(
         correlation_id="c", shard_id="s", replica_id="r", profile=PROFILE, port=20000, api_key="k"
     ),
@@ -76,6 +78,15 @@ EXAMPLES: list[protocol.Message] = [
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_message_survives_a_round_trip(message: protocol.Message) -> None:
     assert decode(encode(message)) == message
+
+
+def test_a_register_of_an_older_agent_has_no_interface() -> None:
+    doc = msgpack.unpackb(encode(EXAMPLES[0]))
+    del doc["interface"]
+    older = decode(msgpack.packb(doc))
+    assert isinstance(older, Register)
+    assert older.interface == ""
+    assert older.address == "10.0.0.5"
 
 
 def test_a_frame_names_its_type_and_protocol_version() -> None:

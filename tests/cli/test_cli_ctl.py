@@ -39,7 +39,7 @@ from llmgw.cli.options import format_table
 from llmgw.control.cluster import Cluster, ShardInfo
 from llmgw.control.live import LiveSettings
 from llmgw.settings import AuthSettings, ServerSettings
-from llmgw.store import Store, open_sqlite_store
+from llmgw.store import NodeCertificate, Store, open_sqlite_store
 
 
 @attrs.define
@@ -333,7 +333,7 @@ async def test_nodes_replicas_and_cordons(running: Running) -> None:
     nodes = (await running.ok("ctl", "nodes")).splitlines()
     # Cores reserved of all, memory reserved (GB), then what the node reports.
     assert nodes[1].split() == [
-        "n1", "10.0.0.1", "up", "2/8", "1.5", "8.0/16.0", "40", "h100-80g", "llamacpp,sim",
+        "n1", "10.0.0.1", "-", "up", "2/8", "1.5", "8.0/16.0", "40", "h100-80g", "llamacpp,sim",
         "-", "1",
     ]  # fmt: skip
     replicas = (await running.ok("ctl", "replicas")).splitlines()
@@ -347,6 +347,49 @@ async def test_nodes_replicas_and_cordons(running: Running) -> None:
     result = await running.run("ctl", "cordon", "nowhere")
     assert result.exit_code == 0
     assert "no node 'nowhere' has registered" in result.output
+
+
+async def test_nodes_remove_revokes_stops_closes_and_forgets_the_node(running: Running) -> None:
+    sent: list[protocol.Message] = []
+    closed: list[str] = []
+
+    async def send(message: protocol.Message) -> None:
+        sent.append(message)
+
+    async def close(reason: str) -> None:
+        closed.append(reason)
+
+    register = protocol.Register(
+        node_id="n1",
+        address="10.0.0.7",
+        interface="eth1",
+        hardware=protocol.Hardware(cpu_count=8, memory_total_mb=16384),
+        agent_version="0.1.0",
+    )
+    running.cluster.node_registered(register, send, close)
+    running.cluster.add_shard(
+        ShardInfo(shard_id="m-0", replica_id="m-0", model="m", node_id="n1", port=20001)
+    )
+    now = 1_700_000_000.0
+    await running.store.insert_node_certificate(
+        NodeCertificate(serial="ab12", node_id="n1", issued_at=now, not_after=now + 3600)
+    )
+    listed = (await running.ok("ctl", "nodes")).splitlines()
+    assert listed[1].split()[:4] == ["n1", "10.0.0.7", "eth1", "up"]
+
+    out = await running.ok("ctl", "nodes", "remove", "n1")
+    assert out.strip() == "node n1 removed: 1 certificate(s) revoked; replicas stopped there: m-0"
+    assert [m.shard_id for m in sent if isinstance(m, protocol.StopShard)] == ["m-0"]
+    assert closed == ["node n1 was removed from the cluster"]
+    assert "n1" not in running.cluster.nodes
+    assert "m-0" not in running.cluster.shards
+    certificate = await running.store.get_node_certificate("ab12")
+    assert certificate is not None
+    assert certificate.revoked_at is not None
+
+    result = await running.run("ctl", "nodes", "remove", "nowhere")
+    assert result.exit_code == 1
+    assert "No node 'nowhere'" in result.output
 
 
 async def test_explain_placement(running: Running) -> None:

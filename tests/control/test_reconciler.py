@@ -264,6 +264,8 @@ async def test_a_changed_profile_rolls_one_replica_at_a_time_successor_ready_fir
         starts = [m for m in node.sent if isinstance(m, protocol.StartShard)]
         assert starts[-1].fingerprint == fingerprint
         assert starts[-1].profile.args == ("--tokens-per-second", "50")
+        # Engines listen on the address the node is reached by, not on every interface.
+        assert {m.bind_addr for m in starts} == {"10.0.0.1"}
 
 
 async def test_after_a_control_plane_restart_running_replicas_are_adopted_not_restarted(

@@ -21,6 +21,7 @@ import socket
 from pathlib import Path
 from typing import Final
 
+import psutil
 import pynvml
 import trio
 
@@ -31,6 +32,7 @@ __all__ = [
     "discover_gpus",
     "discover_hardware",
     "discover_hardware_async",
+    "interface_of",
     "memory_mb",
     "node_id",
     "route_address",
@@ -83,6 +85,26 @@ def route_address(target_host: str) -> str:
                 continue
             return str(sock.getsockname()[0])
     raise last_error or OSError(f"no address found for {target_host!r}")
+
+
+def interface_of(address: str) -> str:
+    """The name of the network interface holding ``address`` (``"eth0"``;
+    ``"lo"`` for a loopback address), or ``""`` when none of this machine's
+    interfaces has it (an address given in agent.yaml for a NAT, say)."""
+    try:
+        wanted = ipaddress.ip_address(address.strip("[]").split("%")[0])
+    except ValueError:
+        return ""
+    for name, addrs in psutil.net_if_addrs().items():
+        for addr in addrs:
+            if addr.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if ipaddress.ip_address(addr.address.split("%")[0]) == wanted:
+                    return name
+            except ValueError:
+                continue
+    return ""
 
 
 def _meminfo_mb() -> dict[str, int]:

@@ -13,6 +13,12 @@ When the link fails (the keepalive notices a dead peer in about 8 s) the
 agent reconnects with exponential back-off and jitter (0.5 s doubling to
 15 s), reset once a session has been accepted by its control plane.
 
+The agent knows every control plane it may link to (:class:`ServerList`):
+those it was given (agent.yaml's ``servers``, ``--server``) and those the
+leader sent (``ControlPlanes``, kept in ``STATE_DIR/control-planes.json``
+across restarts). A connect that fails moves on to the next at once; the
+back-off applies once every one has failed in a row.
+
 A link given a ``stop`` event closes with "going away" once it is set (the
 control plane then logs a stop, not a lost link) and :func:`serve_link`
 returns.
@@ -20,9 +26,13 @@ returns.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import random
-from collections.abc import Awaitable, Callable
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Final
 
 import attrs
@@ -32,6 +42,7 @@ from llmgw import errors
 
 from . import session
 from .protocol import (
+    ControlPlanes,
     Error,
     Heartbeat,
     LogsReply,
@@ -44,7 +55,13 @@ from .protocol import (
     StopShard,
 )
 
-__all__ = ["HEARTBEAT_INTERVAL_S", "AgentHandlers", "serve_link"]
+__all__ = [
+    "CONTROL_PLANES_FILE",
+    "HEARTBEAT_INTERVAL_S",
+    "AgentHandlers",
+    "ServerList",
+    "serve_link",
+]
 
 log = logging.getLogger("llmgw.agent.link")
 
@@ -56,6 +73,74 @@ BACKOFF_MAX_S: Final = 15.0
 #: OSError from the agent's own side while it serves the session (a state
 #: file it cannot write). Anything else is a bug and propagates.
 SESSION_ENDERS: Final = (errors.LinkError, OSError)
+#: Where the control planes the leader sent are kept, in the state directory.
+CONTROL_PLANES_FILE: Final = "control-planes.json"
+
+
+class ServerList:
+    """The control planes' agent hubs an agent may link to, tried in turn.
+
+    The URLs given (agent.yaml's ``servers``, or ``--server``) come first,
+    then those the leader sent (:meth:`learn`) that are not among them,
+    each once. The list learned is kept in ``path`` (JSON ``{"urls": [...]}``)
+    and read back at start; a file that cannot be read counts as none.
+    """
+
+    def __init__(self, given: Sequence[str], path: Path | None = None) -> None:
+        if not given:
+            raise ValueError("at least one control plane URL is needed")
+        self._given = list(dict.fromkeys(given))
+        self._path = path
+        self._learned = self._read()
+        self._index = 0
+
+    def _read(self) -> list[str]:
+        if self._path is None:
+            return []
+        try:
+            doc = json.loads(self._path.read_text())
+            urls = doc["urls"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+        if not isinstance(urls, list):
+            return []
+        return [u for u in urls if isinstance(u, str) and u.startswith(("ws://", "wss://"))]
+
+    def urls(self) -> list[str]:
+        """Every URL, in the order they are tried."""
+        return list(dict.fromkeys([*self._given, *self._learned]))
+
+    @property
+    def current(self) -> str:
+        """The URL the next connect goes to."""
+        urls = self.urls()
+        return urls[self._index % len(urls)]
+
+    def advance(self) -> bool:
+        """Move to the next URL; ``True`` when that starts the list again
+        (every one has been tried)."""
+        self._index = (self._index + 1) % len(self.urls())
+        return self._index == 0
+
+    def learn(self, urls: Sequence[str]) -> None:
+        """Take the leader's list: kept (in the file too) and tried after
+        those given; the URL in use stays current.
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        current = self.current
+        learned = [u for u in dict.fromkeys(urls) if u.startswith(("ws://", "wss://"))]
+        if learned == self._learned:
+            return
+        self._learned = learned
+        self._index = self.urls().index(current)
+        if self._path is not None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self._path.with_suffix(".partial")
+            partial.write_text(json.dumps({"urls": learned}, indent=2) + "\n")
+            os.replace(partial, self._path)
+        log.info("control planes: %s", ", ".join(self.urls()))
 
 
 @attrs.define(kw_only=True)
@@ -84,19 +169,23 @@ class AgentHandlers:
 
 
 async def serve_link(
-    url: str,
+    url: str | ServerList,
     token: str,
     handlers: AgentHandlers,
     *,
     stop: trio.Event | None = None,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Keep a link to the control plane at ``url`` until cancelled or ``stop``.
+    """Keep a link to a control plane until cancelled or ``stop``.
 
     Args:
-        url: ``ws://host:port/agent`` (``wss://`` across machines).
-        token: the agent token, sent as ``Authorization: Bearer``.
+        url: ``ws://host:port/agent`` (``wss://`` across machines), or the
+            :class:`ServerList` to try in turn.
+        token: the agent token, sent as ``Authorization: Bearer`` ("" with
+            mutual TLS).
         handlers: the agent's side (see :class:`AgentHandlers`).
+        ssl_context: for ``wss://``: the node's certificate and the cluster CA.
         stop: once set, the link closes with ``GOING_AWAY`` ("agent
             stopping", bounded by :data:`~llmgw.agent.session.CLOSE_TIMEOUT_S`)
             and this returns.
@@ -107,6 +196,7 @@ async def serve_link(
         retries on its own and never fails its caller.
     """
     task_status.started()
+    servers = url if isinstance(url, ServerList) else ServerList([url])
     if stop is None:
         stop = trio.Event()  # never set
     backoff_s = BACKOFF_FIRST_S
@@ -114,6 +204,7 @@ async def serve_link(
     # reach it is expected, not a warning.
     peer_stopped = False
     while not stop.is_set():
+        url = servers.current
         heard = False
         connected = False
 
@@ -123,17 +214,31 @@ async def serve_link(
 
         cause: BaseException | None = None
         try:
-            async with session.connect(url, token, handlers.register) as link:
+            async with session.connect(
+                url, token, handlers.register, ssl_context=ssl_context
+            ) as link:
                 connected = True
                 peer_stopped = False
-                await _Session(link, handlers, mark_heard, stop).run()
+                await _Session(link, handlers, mark_heard, stop, servers).run()
         except* SESSION_ENDERS as group:
             cause = session.first_leaf(group)
         if heard:
             backoff_s = BACKOFF_FIRST_S
+        if cause is not None and not connected and not servers.advance():
+            # The next control plane at once; the back-off once each failed.
+            log.log(
+                logging.INFO if peer_stopped else logging.WARNING,
+                "cannot reach the control plane at %s (%s); trying %s",
+                url,
+                _describe(cause),
+                servers.current,
+            )
+            continue
         delay_s = backoff_s * random.uniform(0.5, 1.0)
         backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
-        if isinstance(cause, session.PeerStopping):
+        if isinstance(cause, session.PeerRefused):
+            log.error("%s (at %s); trying again in %.1f s", _describe(cause), url, delay_s)
+        elif isinstance(cause, session.PeerStopping):
             peer_stopped = True
             log.info("the control plane at %s is stopping; will reconnect", url)
         elif cause is not None and not connected:
@@ -176,11 +281,13 @@ class _Session:
         handlers: AgentHandlers,
         mark_heard: Callable[[], None],
         stop: trio.Event,
+        servers: ServerList,
     ) -> None:
         self._link = link
         self._h = handlers
         self._mark_heard = mark_heard
         self._stop = stop
+        self._servers = servers
 
     async def run(self) -> None:
         """Until the link fails (raises) or ``stop`` is set (returns, the
@@ -218,6 +325,11 @@ class _Session:
             case Registered():
                 log.info("registered with the control plane as %s", message.node_id)
                 self._h.on_registered(message)
+            case ControlPlanes():
+                try:
+                    self._servers.learn(message.urls)
+                except OSError as exc:
+                    log.warning("cannot keep the control planes' list: %s", exc)
             case StartShard():
                 await self._h.start_shard(message)
             case StopShard():

@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import signal
+import ssl
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -35,7 +36,7 @@ from llmgw.engines.base import EngineAdapter
 from llmgw.engines.registry import get_adapter
 
 from . import background, discovery, protocol
-from .link import AgentHandlers, serve_link
+from .link import CONTROL_PLANES_FILE, AgentHandlers, ServerList, serve_link
 from .processes import STOP_GRACE_S
 from .state import default_state_dir
 from .supervisor import Supervisor
@@ -60,8 +61,18 @@ GPU_READING_MAX_AGE_S: Final = 60.0
 @attrs.frozen(kw_only=True)
 class AgentConfig:
     """Attributes:
-    server_url: the control plane's agent hub, ``ws://host:7443/agent``.
-    token: the agent token the hub expects.
+    server_url: the control plane's agent hub, ``ws://host:7443/agent``
+        (``wss://`` with mutual TLS).
+    token: the agent token the hub expects ("" with mutual TLS).
+    servers: more agent hubs to try in turn after ``server_url``
+        (agent.yaml's ``servers``); with the leader's list, kept in the
+        state directory (:class:`~llmgw.agent.link.ServerList`).
+    ssl_context: the node's certificate and the cluster CA, for ``wss://``
+        (:func:`llmgw.agent.config.agent_ssl_context`).
+    address: where the control plane and the gateway reach this node's
+        engines, which listen there; the source address of the route to the
+        control plane when empty.
+    labels: the node's labels, sent in ``Register``.
     node_id: this node's name; the host name when empty.
     llamacpp_bin: a ``llama-server`` binary; the bundled launcher when None.
     owns_engines: stop the engines when the agent stops (``llmgw up``).
@@ -87,6 +98,10 @@ class AgentConfig:
 
     server_url: str
     token: str
+    servers: tuple[str, ...] = ()
+    ssl_context: ssl.SSLContext | None = None
+    address: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
     node_id: str = ""
     llamacpp_bin: str | None = None
     owns_engines: bool = False
@@ -131,11 +146,12 @@ async def serve_agent(
     """
     node_id = config.node_id or discovery.node_id()
     hardware = await discovery.discover_hardware_async()
-    host = config.server_url.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
-    address = discovery.route_address(host.strip("[]"))
+    # Found again for each link (the route to the control plane it goes to).
+    address = config.address or "127.0.0.1"
     send, receive = trio.open_memory_channel[protocol.ShardStatus](STATUS_QUEUE_SIZE)
     telemetry = _Telemetry(gpus=hardware.gpus, gpus_read_at=trio.current_time())
     state_dir = config.state_dir or default_state_dir(node_id)
+    servers = ServerList([config.server_url, *config.servers], path=state_dir / CONTROL_PLANES_FILE)
 
     def adapter_for(engine: str) -> EngineAdapter:
         return get_adapter(engine, llamacpp_bin=config.llamacpp_bin)
@@ -149,6 +165,15 @@ async def serve_agent(
     )
 
     async def register() -> protocol.Register:
+        nonlocal address
+        if not config.address:
+            # The route to the control plane this link goes to.
+            try:
+                address = await trio.to_thread.run_sync(
+                    discovery.route_address, _host_of(servers.current)
+                )
+            except OSError as exc:
+                log.warning("no route to %s (%s); reporting %s", servers.current, exc, address)
         total_mb, available_mb = discovery.memory_mb()
         hw = attrs.evolve(
             hardware,
@@ -160,6 +185,8 @@ async def serve_agent(
         return protocol.Register(
             node_id=node_id,
             address=address,
+            interface=discovery.interface_of(address),
+            labels=dict(config.labels),
             agent_version=AGENT_VERSION,
             hardware=hw,
             engines=("llamacpp", "sim"),
@@ -205,12 +232,27 @@ async def serve_agent(
         async with trio.open_nursery() as link_nursery:
             # serve_link returns only once config.stop is set and the link closed.
             await link_nursery.start(
-                partial(serve_link, config.server_url, config.token, handlers, stop=config.stop)
+                partial(
+                    serve_link,
+                    servers,
+                    config.token,
+                    handlers,
+                    stop=config.stop,
+                    ssl_context=config.ssl_context,
+                )
             )
             if config.measure_bandwidth:
                 nursery.start_soon(_serve_bandwidth, config, telemetry, hardware.cpu_count)
             task_status.started(supervisor)
         nursery.cancel_scope.cancel()
+
+
+def _host_of(url: str) -> str:
+    """The host of ``ws[s]://host:port/path`` (an IPv6 address without brackets)."""
+    netloc = url.split("://", 1)[-1].split("/", 1)[0]
+    if netloc.startswith("["):
+        return netloc[1:].split("]", 1)[0]
+    return netloc.rsplit(":", 1)[0]
 
 
 async def run_agent(config: AgentConfig) -> None:

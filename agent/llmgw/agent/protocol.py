@@ -39,6 +39,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "BadFrame",
+    "ControlPlanes",
     "EngineProfile",
     "Error",
     "FrameTooLarge",
@@ -203,9 +204,13 @@ class Register:
     """First message on every link: the agent's whole state."""
 
     node_id: str
+    #: Where the control plane and the gateway reach this node's engines
+    #: (the source address of its route to the control plane, or agent.yaml's).
     address: str
     agent_version: str
     hardware: Hardware
+    #: The network interface ``address`` is on ("" = not known: an older agent).
+    interface: str = ""
     engines: tuple[str, ...] = ()
     engines_probed: bool = True
     running_shards: tuple[RunningShard, ...] = ()
@@ -273,6 +278,15 @@ class Registered:
 
 
 @attrs.frozen(kw_only=True)
+class ControlPlanes:
+    """The control planes' agent hubs an agent may link to
+    (``wss://host:7443/agent`` each), sent by the leader after
+    ``Registered``; the agent keeps them for its reconnects."""
+
+    urls: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
 class StartShard:
     """Start (or keep running) a shard. Idempotent by ``shard_id``: a shard
     already STARTING or READY is left alone; a FAILED or STOPPED one starts
@@ -313,6 +327,7 @@ Message: TypeAlias = (
     | LogsReply
     | Error
     | Registered
+    | ControlPlanes
     | StartShard
     | StopShard
     | LogsRequest
@@ -327,6 +342,7 @@ _TYPES: Final[dict[str, type[Any]]] = {
         LogsReply,
         Error,
         Registered,
+        ControlPlanes,
         StartShard,
         StopShard,
         LogsRequest,

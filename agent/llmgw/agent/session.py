@@ -7,9 +7,18 @@ of :mod:`llmgw.agent.protocol`. The agent's end (:func:`connect`, used by
 by :mod:`llmgw.control.hub`) follow these rules, written here once:
 
 Handshake
-    The agent connects with the agent token in ``Authorization: Bearer``
-    (another path: HTTP 404; a wrong or missing token: HTTP 401) within
-    :data:`CONNECT_TIMEOUT_S`, and speaks first: its first frame is
+    Across machines (``llmgw server``) the link is ``wss://`` with mutual
+    TLS: the agent presents its node certificate and checks the control
+    plane's against the cluster CA; the control plane admits a certificate
+    its CA signed only when it issued it and has not revoked it, and takes
+    the node id from it (its ``admit``). A certificate it refuses gets
+    :data:`POLICY_VIOLATION` with the reason ("certificate revoked at …"),
+    which the agent raises as :class:`PeerRefused`; one its CA did not sign
+    fails the TLS handshake, which the agent reports as "the control plane
+    refused this node's certificate". On one machine (``llmgw up``) the link
+    is ``ws://`` on loopback with the agent token in ``Authorization:
+    Bearer`` (a wrong or missing token: HTTP 401). Another path: HTTP 404.
+    The handshake has :data:`CONNECT_TIMEOUT_S`; the agent speaks first: its first frame is
     ``Register`` with its whole state. The control plane waits
     :data:`REGISTER_TIMEOUT_S` for it (:func:`await_register`), answering
     any other frame with ``Error`` meanwhile, then answers ``Registered``,
@@ -43,9 +52,11 @@ from __future__ import annotations
 
 import hmac
 import logging
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Final, NoReturn
+from typing import Final, NoReturn, cast
+from urllib.parse import urlsplit
 
 import trio
 import trio_websocket
@@ -65,7 +76,9 @@ __all__ = [
     "PONG_TIMEOUT_S",
     "PROTOCOL_ERROR",
     "REGISTER_TIMEOUT_S",
+    "Admit",
     "Link",
+    "PeerRefused",
     "PeerStopping",
     "await_register",
     "connect",
@@ -109,6 +122,21 @@ class PeerStopping(errors.LinkClosed):
     """The peer closed the link with :data:`GOING_AWAY`: it is stopping."""
 
 
+class PeerRefused(errors.LinkClosed):
+    """The control plane refused this agent: it closed the link with
+    :data:`POLICY_VIOLATION` (its reason says why: a revoked certificate,
+    a node id already connected …), or its TLS handshake refused this
+    node's certificate."""
+
+
+#: The control plane's check of an agent's certificate (DER bytes): the
+#: node id it names, or :class:`llmgw.errors.Refused` saying why not.
+Admit = Callable[[bytes], Awaitable[str]]
+
+#: A websocket close reason's limit, in bytes.
+_MAX_CLOSE_REASON_BYTES: Final = 123
+
+
 def error_frame(exc: errors.LlmgwError | LookupError, correlation_id: str = "") -> protocol.Error:
     """The ``Error`` frame answering ``exc``: ``message`` is ``str(exc)``, and
     ``correlation_id`` echoes the command's (empty when the error answers no
@@ -127,10 +155,15 @@ def _translating(peer: str) -> Iterator[None]:
 
 def _closed(exc: BaseException, peer: str) -> errors.LinkClosed:
     """The :class:`~llmgw.errors.LinkClosed` for a socket failure ``exc``."""
+    tls = _tls_failure(exc)
+    if tls is not None:
+        return tls
     if isinstance(exc, trio_websocket.ConnectionClosed):
         reason = exc.reason
         if reason is not None and reason.code == GOING_AWAY:
             return PeerStopping(f"the {peer} is stopping ({reason})")
+        if reason is not None and reason.code == POLICY_VIOLATION and peer == "control plane":
+            return PeerRefused(f"the control plane refused this node: {reason.reason}")
         return errors.LinkClosed(f"closed ({reason})")
     if isinstance(exc, trio_websocket.ConnectionRejected):
         return errors.LinkClosed(f"rejected with HTTP {exc.status_code}")
@@ -147,6 +180,37 @@ def _closed(exc: BaseException, peer: str) -> errors.LinkClosed:
     )
 
 
+def _tls_failure(exc: BaseException) -> errors.LinkClosed | None:
+    """What a TLS failure somewhere in ``exc``'s causes means, or ``None``
+    when there is none: the control plane's certificate not signed by this
+    node's CA, or the control plane refusing this node's certificate (a TLS
+    alert: unknown CA, bad or revoked certificate)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return errors.LinkClosed(
+                "the control plane's certificate is not from this node's cluster CA "
+                f"({cause.verify_message}): was this node joined to another control plane? "
+                "Join again with a code from this one ('llmgw node add')"
+            )
+        if isinstance(cause, _ClosedAfterHandshake):
+            return PeerRefused(
+                "the control plane refused this node's certificate (it closed the connection "
+                "after the TLS handshake): a self-made certificate, or one not issued by this "
+                "cluster's CA; join again with a new code ('llmgw node add' on the control plane)"
+            )
+        if isinstance(cause, ssl.SSLError) and "ALERT" in (cause.reason or ""):
+            return PeerRefused(
+                f"the control plane refused this node's certificate ({cause.reason}): "
+                "it was not issued by this cluster's CA; join again with a new code "
+                "('llmgw node add' on the control plane)"
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 class Link:
     """One open link, seen from one end.
 
@@ -157,11 +221,20 @@ class Link:
     """
 
     def __init__(
-        self, ws: trio_websocket.WebSocketConnection, *, me: str, peer: str, name: str = ""
+        self,
+        ws: trio_websocket.WebSocketConnection,
+        *,
+        me: str,
+        peer: str,
+        name: str = "",
+        certified_node_id: str = "",
     ) -> None:
         self.me = me
         self.peer = peer
         self.name = name or peer
+        #: The node id the agent's certificate names (mutual TLS); "" on a
+        #: link without one (``llmgw up``'s loopback agent).
+        self.certified_node_id = certified_node_id
         self._ws = ws
         self._send_lock = trio.Lock()
         self._last_heard = trio.current_time()
@@ -255,31 +328,44 @@ class Link:
 
 @asynccontextmanager
 async def connect(
-    url: str, token: str, register: Callable[[], Awaitable[protocol.Register]]
+    url: str,
+    token: str,
+    register: Callable[[], Awaitable[protocol.Register]],
+    *,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> AsyncIterator[Link]:
     """Open a link to the control plane at ``url`` and send the ``Register``
     that ``register`` builds; closed on exit.
 
     Args:
         url: ``ws://host:port/agent`` (``wss://`` across machines).
-        token: the agent token.
+        token: the agent token ("" with mutual TLS: none is sent).
         register: builds the agent's ``Register`` (its whole state).
+        ssl_context: for ``wss://``: the node's certificate and the cluster
+            CA (:func:`llmgw.agent.config.agent_ssl_context`).
 
     Raises:
+        PeerRefused: the control plane refused this node's certificate.
         LinkClosed: the control plane cannot be reached, refuses the
             handshake, or the link breaks while it opens or closes. Errors
             from the body pass through as they are, even when closing the
             link fails after them.
     """
     body_error: BaseException | None = None
-    try:
-        async with trio_websocket.open_websocket_url(
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+    opening = (
+        _open_tls(url, ssl_context, headers)
+        if ssl_context is not None
+        else trio_websocket.open_websocket_url(
             url,
-            extra_headers=[(b"authorization", f"Bearer {token}".encode())],
+            extra_headers=headers,
             max_message_size=protocol.MAX_FRAME_BYTES,
             connect_timeout=CONNECT_TIMEOUT_S,
             disconnect_timeout=DISCONNECT_TIMEOUT_S,
-        ) as ws:
+        )
+    )
+    try:
+        async with opening as ws:
             link = Link(ws, me="agent", peer="control plane", name=f"the control plane at {url}")
             try:
                 await link.send(await register())
@@ -295,6 +381,148 @@ async def connect(
         raise _closed(exc, "control plane") from exc
 
 
+class _ClosedAfterHandshake(trio.BrokenResourceError):
+    """The control plane closed the connection right after the TLS
+    handshake, before answering the websocket handshake."""
+
+
+class _WatchedStream(trio.abc.Stream):
+    """A stream that sets :attr:`broke` when a send or a receive fails,
+    keeping the error: trio-websocket waits out its whole timeout when the peer breaks
+    the link during the websocket handshake (a TLS 1.3 server refusing the
+    client's certificate does so after its own handshake)."""
+
+    def __init__(self, inner: trio.SSLStream[trio.SocketStream]) -> None:
+        self.inner = inner
+        self.failure: BaseException | None = None
+        self.broke = trio.Event()
+        self.heard = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            await self.inner.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._failed(exc)
+            raise
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        try:
+            data = await self.inner.receive_some(max_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._failed(exc)
+            raise
+        if not data and not self.heard:
+            # Closed before it answered the websocket handshake: a control
+            # plane that refuses a certificate closes the connection after
+            # its TLS handshake (trio sends no alert then).
+            self._failed(_ClosedAfterHandshake())
+        self.heard = True
+        return data
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+        self.broke.set()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@asynccontextmanager
+async def _open_tls(
+    url: str, ssl_context: ssl.SSLContext, headers: list[tuple[bytes, bytes]]
+) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """A websocket over TLS run here (not by trio-websocket), so that a TLS
+    failure during the handshake surfaces at once with its cause.
+
+    Raises:
+        trio.BrokenResourceError: the TLS handshake failed, or the control
+            plane broke the link during the websocket handshake (the
+            :class:`ssl.SSLError` as the cause).
+        OSError: the control plane cannot be reached.
+        trio_websocket.HandshakeError: no websocket handshake in time.
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "wss" or not parts.hostname:
+        raise trio_websocket.HandshakeError(f"{url!r} is not wss://HOST:PORT/PATH")
+    port = parts.port or 443
+    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    host_header = parts.netloc.rsplit("@", 1)[-1]
+    failure: BaseException | None = None
+    body_error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        ws: trio_websocket.WebSocketConnection | None = None
+        watched: _WatchedStream | None = None
+        with trio.move_on_after(CONNECT_TIMEOUT_S) as waited:
+            try:
+                stream = await trio.open_ssl_over_tcp_stream(
+                    parts.hostname, port, ssl_context=ssl_context, https_compatible=True
+                )
+            except OSError as exc:
+                failure = exc
+            else:
+                try:
+                    await stream.do_handshake()
+                except trio.BrokenResourceError as exc:
+                    await trio.aclose_forcefully(stream)
+                    failure = exc
+                except BaseException:
+                    # Out of time (or cancelled): the socket is closed here too.
+                    await trio.aclose_forcefully(stream)
+                    raise
+                else:
+                    watched = _WatchedStream(stream)
+                    async with trio.open_nursery() as racing:
+
+                        async def open_ws(watched: _WatchedStream) -> None:
+                            nonlocal ws
+                            ws = await trio_websocket.wrap_client_stream(
+                                nursery,
+                                cast(trio.SSLStream[trio.SocketStream], watched),
+                                host_header,
+                                resource,
+                                extra_headers=headers,
+                                max_message_size=protocol.MAX_FRAME_BYTES,
+                            )
+                            racing.cancel_scope.cancel()
+
+                        async def watch(watched: _WatchedStream) -> None:
+                            await watched.broke.wait()
+                            racing.cancel_scope.cancel()
+
+                        racing.start_soon(open_ws, watched)
+                        racing.start_soon(watch, watched)
+        if ws is None:
+            nursery.cancel_scope.cancel()
+            if failure is None and watched is not None:
+                failure = watched.failure
+            if failure is None:
+                failure = (
+                    trio_websocket.ConnectionTimeout()
+                    if waited.cancelled_caught
+                    else trio.BrokenResourceError("the control plane closed the link")
+                )
+        else:
+            try:
+                yield ws
+            except BaseException as exc:
+                # Raised again outside the nursery, not in a group.
+                body_error = exc
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                    await ws.aclose()
+                nursery.cancel_scope.cancel()
+    if body_error is not None:
+        raise body_error
+    if failure is not None:
+        if watched is not None:
+            await trio.aclose_forcefully(watched.inner)
+        raise failure
+
+
 # --- the control plane's end --------------------------------------------------------
 
 
@@ -304,25 +532,39 @@ async def serve_links(
     token: str,
     on_link: Callable[[Link], Awaitable[None]],
     *,
+    tls: ssl.SSLContext | None = None,
+    admit: Admit | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Accept agent links on ``host:port`` and run ``on_link`` for each, until
     cancelled.
 
     A link whose request has another path than :data:`PATH` is refused with
-    HTTP 404, one without ``token`` with HTTP 401. Once ``on_link`` returns
-    or raises, a link still open is closed with :data:`GOING_AWAY`; a
-    :class:`~llmgw.errors.LinkError` it raises ends that link alone (logged).
+    HTTP 404. Without ``tls``, one without ``token`` is refused with HTTP
+    401. With ``tls`` (a server context that requires client certificates)
+    the TLS handshake is run first (:data:`CONNECT_TIMEOUT_S`); ``admit``
+    gets the agent's certificate and names its node
+    (:attr:`Link.certified_node_id`), or refuses it: the link is then closed
+    with :data:`POLICY_VIOLATION` and the reason, before ``on_link``. Once
+    ``on_link`` returns or raises, a link still open is closed with
+    :data:`GOING_AWAY`; a :class:`~llmgw.errors.LinkError` it raises ends
+    that link alone (logged).
 
     Args:
         host, port: where to listen (port 0 picks a free one).
-        token: the agent token links must present (``Authorization: Bearer``).
+        token: the agent token links must present (``Authorization:
+            Bearer``) when there is no ``tls``.
         on_link: the control plane's side of one link.
+        tls, admit: mutual TLS (both or neither).
 
     Returns:
         Never returns unless cancelled; ``task_status.started`` gets the
         bound port.
     """
+    if tls is not None:
+        if admit is None:
+            raise ValueError("mutual TLS needs admit")
+        await _serve_tls_links(host, port, tls, admit, on_link, task_status=task_status)
 
     async def handler(request: trio_websocket.WebSocketRequest) -> None:
         await _serve_one(request, token, on_link)
@@ -345,6 +587,89 @@ async def serve_links(
     raise AssertionError("unreachable")
 
 
+async def _serve_tls_links(
+    host: str,
+    port: int,
+    tls: ssl.SSLContext,
+    admit: Admit,
+    on_link: Callable[[Link], Awaitable[None]],
+    *,
+    task_status: trio.TaskStatus[int],
+) -> NoReturn:
+    listeners = await trio.open_ssl_over_tcp_listeners(port, tls, host=host, https_compatible=True)
+
+    async def handler(stream: trio.SSLStream[trio.SocketStream]) -> None:
+        await _serve_tls_one(stream, admit, on_link)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, handler, listeners)
+        transport = listeners[0].transport_listener
+        assert isinstance(transport, trio.SocketListener)
+        task_status.started(transport.socket.getsockname()[1])
+        await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def _serve_tls_one(
+    stream: trio.SSLStream[trio.SocketStream],
+    admit: Admit,
+    on_link: Callable[[Link], Awaitable[None]],
+) -> None:
+    """One TLS connection: the handshake, the certificate's admission, the
+    websocket handshake, then the link."""
+    try:
+        host, port = stream.transport_stream.socket.getpeername()[:2]
+        peer = f"{host}:{port}"
+    except OSError:
+        peer = "an agent"
+    try:
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            await stream.do_handshake()
+    except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+        cause = exc.__cause__ or exc
+        log.warning(
+            "agent link from %s refused: TLS handshake failed (%s)", peer, errors.describe(cause)
+        )
+        await trio.aclose_forcefully(stream)
+        return
+    der = stream.getpeercert(binary_form=True)
+    refusal: errors.LlmgwError | None = None
+    node_id = ""
+    if der is None:
+        refusal = errors.Refused("no client certificate")
+    else:
+        try:
+            node_id = await admit(der)
+        except errors.Refused as exc:
+            refusal = exc
+        except errors.LlmgwError as exc:
+            # The store cannot be asked now (a StoreError): the agent retries.
+            log.warning("agent link from %s: certificate not checked: %s", peer, exc)
+            refusal = errors.Refused(
+                "the control plane cannot check this node's certificate now; trying again later"
+            )
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                with trio.fail_after(CONNECT_TIMEOUT_S), _translating("agent"):
+                    request = await trio_websocket.wrap_server_stream(
+                        nursery, stream, max_message_size=protocol.MAX_FRAME_BYTES
+                    )
+            except (trio.TooSlowError, errors.LinkError) as exc:
+                log.warning(
+                    "agent link from %s: no websocket handshake (%s)", peer, errors.describe(exc)
+                )
+                nursery.cancel_scope.cancel()
+                return
+            await _serve_one(
+                request, "", on_link, certified_node_id=node_id, refusal=refusal, peer=peer
+            )
+            nursery.cancel_scope.cancel()
+    finally:
+        # Its socket is closed here, not left to the garbage collector.
+        await trio.aclose_forcefully(stream)
+
+
 def _token_of(request: trio_websocket.WebSocketRequest) -> str:
     for name, value in request.headers:
         if name.lower() == b"authorization" and value.startswith(b"Bearer "):
@@ -360,23 +685,42 @@ def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return exc
 
 
+def _close_reason(text: str) -> str:
+    """``text`` cut to fit a websocket close reason."""
+    data = text.encode()
+    if len(data) <= _MAX_CLOSE_REASON_BYTES:
+        return text
+    return data[: _MAX_CLOSE_REASON_BYTES - 3].decode(errors="ignore") + "..."
+
+
 async def _serve_one(
     request: trio_websocket.WebSocketRequest,
     token: str,
     on_link: Callable[[Link], Awaitable[None]],
+    *,
+    certified_node_id: str = "",
+    refusal: errors.LlmgwError | None = None,
+    peer: str = "",
 ) -> None:
-    name = "an agent not registered yet"
+    name = f"node {certified_node_id}" if certified_node_id else "an agent not registered yet"
     try:
         with _translating("agent"):
             if request.path != PATH:
                 await request.reject(404)
                 return
-            if not hmac.compare_digest(_token_of(request).encode(), token.encode()):
+            if token and not hmac.compare_digest(_token_of(request).encode(), token.encode()):
                 log.warning("agent link refused: wrong or missing token")
                 await request.reject(401)
                 return
-            ws = await request.accept()
-        link = Link(ws, me="control plane", peer="agent", name=name)
+            with trio.fail_after(CONNECT_TIMEOUT_S):
+                ws = await request.accept()
+        link = Link(
+            ws, me="control plane", peer="agent", name=name, certified_node_id=certified_node_id
+        )
+        if refusal is not None:
+            log.warning("agent link from %s refused: %s", peer or name, refusal)
+            await link.refuse(refusal, POLICY_VIOLATION, _close_reason(str(refusal)))
+            return
         try:
             await on_link(link)
         finally:
@@ -390,6 +734,8 @@ async def _serve_one(
             log.info("link to %s closed: the agent is stopping", name)
         else:
             log.warning("link to %s closed: %s", name, cause)
+    except* trio.TooSlowError:
+        log.warning("link to %s: no websocket handshake within %g s", name, CONNECT_TIMEOUT_S)
 
 
 async def await_register(link: Link) -> protocol.Register:

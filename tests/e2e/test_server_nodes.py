@@ -1,0 +1,180 @@
+"""``llmgw server`` with a node linked over mutual TLS, as real processes on
+loopback: ``llmgw node add`` and ``llmgw join CODE --no-start`` write the
+node's files, ``llmgw agent --config agent.yaml`` (a dead control plane
+listed first) registers under its certificate's node id with its address
+and interface, serves a sim model the gateway answers through, keeps the
+leader's list of control planes; ``ctl nodes remove`` takes it out, and its
+next link is refused as revoked."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+NODE = "node-e2e"
+MODEL = "sim-remote"
+
+
+def _wait(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def _dead_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class _Process:
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        assert self.process.poll() is None, self.log()
+        return True
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture(name="started")
+def started_fixture() -> Iterator[list[_Process]]:
+    processes: list[_Process] = []
+    yield processes
+    for process in reversed(processes):
+        process.stop()
+
+
+def test_a_node_links_over_mutual_tls_serves_and_is_removed(
+    tmp_path: Path, started: list[_Process]
+) -> None:
+    data_dir = tmp_path / "cp"
+    node_dir = tmp_path / "node"
+    server = _Process(
+        [
+            sys.executable, "-m", "llmgw.cli", "server", "--data-dir", str(data_dir),
+            "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+            "--metrics-listen", "127.0.0.1:0", "--agent-listen", "127.0.0.1:0",
+            "--join-listen", "127.0.0.1:0", "--engine-ports", "23100-23199",
+        ],
+        tmp_path / "server.log",
+    )  # fmt: skip
+    started.append(server)
+    _wait(lambda: server.alive() and "ready in" in server.log(), 60, "the server's ready line")
+    run = json.loads((data_dir / "run.json").read_text())
+    hub = f"wss://{run['agent_hub']}/agent"
+
+    def llmgw(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "llmgw.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    added = llmgw("node", "add", "--labels", "rack=r1", "--json", "--data-dir", str(data_dir))
+    assert added.returncode == 0, added.stderr
+    code = json.loads(added.stdout)["command"].split()[-1]
+    joined = llmgw("join", code, "--data-dir", str(node_dir), "--node-id", NODE, "--no-start")
+    assert joined.returncode == 0, joined.stderr
+    agent_yaml = node_dir / "agent.yaml"
+    doc = yaml.safe_load(agent_yaml.read_text())
+    assert doc["servers"] == [hub]
+    # A dead control plane first: the agent tries it, then the next.
+    dead = f"wss://127.0.0.1:{_dead_port()}/agent"
+    doc["servers"] = [dead, hub]
+    agent_yaml.write_text(yaml.safe_dump(doc))
+    agent = _Process(
+        [sys.executable, "-m", "llmgw.cli", "agent", "--config", str(node_dir / "agent.yaml")],
+        tmp_path / "agent.log",
+    )
+    started.append(agent)
+
+    def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return llmgw("ctl", *args, "--data-dir", str(data_dir))
+
+    def node() -> dict[str, Any] | None:
+        agent.alive()
+        result = ctl("nodes", "--json")
+        assert result.returncode == 0, result.stderr
+        found = [n for n in json.loads(result.stdout)["data"] if n["node_id"] == NODE]
+        return found[0] if found and found[0]["connected"] else None
+
+    registered = _wait(node, 60, f"{NODE} registered:\n{agent.log()}\n{server.log()}")
+    assert registered["address"] == "127.0.0.1"
+    assert registered["interface"] == "lo"
+    assert registered["labels"] == {"rack": "r1"}
+    table = ctl("nodes").stdout.splitlines()
+    assert table[1].split()[:4] == [NODE, "127.0.0.1", "lo", "up"]
+    # The dead control plane was tried first, then the live one.
+    assert f"cannot reach the control plane at {dead}" in agent.log()
+    kept = node_dir / "agent" / "control-planes.json"
+    _wait(kept.exists, 10, "the control planes' list kept")
+    assert json.loads(kept.read_text())["urls"] == [hub]
+
+    added = ctl("model", "add", MODEL, "--engine", "sim", "--min-memory-gb", "0.1")
+    assert added.returncode == 0, added.stderr
+
+    def ready() -> list[dict[str, Any]]:
+        result = ctl("replicas", "--json")
+        return [r for r in json.loads(result.stdout)["data"] if r["state"].lower() == "ready"]
+
+    replicas = _wait(ready, 120, f"a READY replica:\n{agent.log()}")
+    assert replicas[0]["node_id"] == NODE
+    key = (data_dir / "client-key").read_text().strip()
+    answer = httpx.post(
+        f"http://{run['api']}/v1/chat/completions",
+        headers={"authorization": f"Bearer {key}"},
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+
+    removed = ctl("nodes", "remove", NODE)
+    assert removed.returncode == 0, removed.stderr
+    assert removed.stdout.startswith(f"node {NODE} removed: 1 certificate(s) revoked")
+    _wait(
+        lambda: "certificate revoked at" in agent.log(),
+        60,
+        f"the agent told its certificate is revoked:\n{agent.log()}",
+    )
+    assert "the control plane refused this node" in agent.log()
+    listed = json.loads(ctl("nodes", "--json").stdout)["data"]
+    assert [n["node_id"] for n in listed] == []
+    unknown = ctl("nodes", "remove", NODE + "-x")
+    assert unknown.returncode == 1
+    assert "No node" in unknown.stderr
