@@ -36,40 +36,22 @@ class _NodeFiles:
     key: Path | None = None
 
 
-# MERGE: swap this function for llmgw.agent.config.load_agent_yaml (the
-# "server" helper's loader, not in this branch): keep only `servers` and
-# `tls.ca|cert|key` (resolved against the file's folder) from its AgentFile.
 def _read_agent_yaml(path: Path) -> _NodeFiles:
-    """``servers`` and ``tls`` of the ``agent.yaml`` at ``path``; relative
-    paths are relative to the file's folder.
+    """``servers`` and ``tls`` of the ``agent.yaml`` at ``path``, read by
+    :func:`llmgw.agent.config.load_agent_yaml` (paths resolved against the
+    file's folder).
 
     Raises:
-        click.ClickException: the file cannot be read or is not an agent.yaml.
+        click.ClickException: the file cannot be read or is not a valid
+            agent.yaml (the loader's message, naming the key at fault).
     """
-    import yaml
+    from llmgw.agent.config import AgentFileError, load_agent_yaml
 
     try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise click.ClickException(f"cannot read {path}: {exc}") from None
-    if not isinstance(doc, dict):
-        raise click.ClickException(f"{path} is not an agent.yaml: it must be a mapping")
-    servers = doc.get("servers") or []
-    if not isinstance(servers, list) or not all(isinstance(s, str) for s in servers):
-        raise click.ClickException(f"{path}: servers must be a list of wss://HOST:PORT/agent")
-    tls = doc.get("tls") or {}
-    if not isinstance(tls, dict):
-        raise click.ClickException(f"{path}: tls must be a mapping of ca, cert, key")
-
-    def file(key: str) -> Path | None:
-        value = tls.get(key)
-        if not value:
-            return None
-        if not isinstance(value, str):
-            raise click.ClickException(f"{path}: tls.{key} must be a file path")
-        return path.parent / value
-
-    return _NodeFiles(tuple(servers), file("ca"), file("cert"), file("key"))
+        found = load_agent_yaml(path)
+    except (OSError, AgentFileError) as exc:
+        raise click.ClickException(str(exc)) from None
+    return _NodeFiles(found.servers, found.tls.ca, found.tls.cert, found.tls.key)
 
 
 def _default_files(data_dir: Path) -> _NodeFiles:

@@ -94,10 +94,14 @@ def test_a_bad_server_address_is_refused() -> None:
 
 def test_a_broken_agent_yaml_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "agent.yaml"
-    config.write_text("servers: wss://10.0.0.1:7443/agent\n")
+    config.write_text(
+        "servers: [wss://10.0.0.1:7443/agent]\n"
+        "tls: {ca: ca.crt, cert: node.crt, key: node.key, certfile: x}\n"
+    )
     result = CliRunner().invoke(cli, ["doctor", "--config", str(config)])
     assert result.exit_code == 1
-    assert "servers must be a list" in result.output
+    assert "tls.certfile" in result.output  # the loader names the key at fault
+    assert result.output.count(str(config)) == 1
 
 
 # --- a joined node against a real control plane's two ports -----------------------

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -59,7 +58,7 @@ CUT_S = 20.0
 SAMPLES_AFTER = 20
 CHATS = 8
 #: Where the control plane listens in machine a (the defaults of ``llmgw server``).
-PORTS = {"api": 8080, "admin": 9090, "metrics": 9091, "agents": 7443}
+PORTS = {"api": 8080, "admin": 9090, "metrics": 9091, "agents": 7443, "join": 7444}
 
 #: Run in machine a: the admin API's nodes and replicas every half second,
 #: one JSON line each, until SIGTERM.
@@ -199,23 +198,15 @@ def _node(sample: dict[str, Any], node_id: str) -> dict[str, Any]:
 
 
 def _start_control_plane(a: netns.Machine) -> netns.Process:
-    """The control plane alone in machine ``a``: client API and agents' hub
-    on its bridge address, admin API and metrics on its own 127.0.0.1
-    (:data:`PORTS`), the sim model :data:`MODEL` (one replica) in its
-    catalog; returned once its ``run.json`` is written.
-
-    Today ``llmgw up --no-agent --engine sim``; with ``llmgw server`` this is
-    the one place to change (and the model then added with ``ctl model add``).
-    """
+    """The control plane alone in machine ``a`` (``llmgw server``): client
+    API, agents' hub and join port on its bridge address, admin API and
+    metrics on its own 127.0.0.1 (:data:`PORTS`); the sim model
+    :data:`MODEL` (one replica) added with ``ctl model add``; returned once
+    that is done."""
     process = a.start(
-        "llmgw-up",
+        "llmgw-server",
         _llmgw(
-            "up",
-            "--no-agent",
-            "--engine",
-            "sim",
-            "--model-name",
-            MODEL,
+            "server",
             "--data-dir",
             str(a.data_dir),
             "--listen",
@@ -226,6 +217,8 @@ def _start_control_plane(a: netns.Machine) -> netns.Process:
             f"127.0.0.1:{PORTS['metrics']}",
             "--agent-listen",
             f"{a.address}:{PORTS['agents']}",
+            "--join-listen",
+            f"{a.address}:{PORTS['join']}",
         ),
     )
     netns.wait_for(
@@ -234,41 +227,28 @@ def _start_control_plane(a: netns.Machine) -> netns.Process:
         "the control plane's run.json",
     )
     assert process.running(), process.log()
+    _ctl(a, "model", "add", MODEL, "--engine", "sim", "--replicas", "1", "--min-memory-gb", "0.1")
     return process
 
 
 def _start_node(
     a: netns.Machine, machine: netns.Machine, node_id: str
 ) -> tuple[netns.Process, Path]:
-    """A node ``node_id`` in ``machine``, reaching the control plane in ``a``
-    over the bridge: its agent process and its state directory (the shard
-    files, ``shards/*.json``).
-
-    Today ``llmgw agent --server ws://<a>:7443/agent --token-file F`` with
-    the agent token copied over as by hand; with join codes, ``llmgw join
-    CODE --data-dir <machine's> --node-id node_id`` with the code from
-    ``llmgw node add --json`` run in ``a`` (the state directory is then
-    ``DIR/agent``).
-    """
-    token_file = machine.root / "agent-token"
-    shutil.copyfile(a.data_dir / "agent-token", token_file)
-    token_file.chmod(0o600)
-    state_dir = machine.home / "agent-state"
-    process = machine.start(
-        "llmgw-agent",
-        _llmgw(
-            "agent",
-            "--server",
-            f"ws://{a.address}:{PORTS['agents']}/agent",
-            "--token-file",
-            str(token_file),
-            "--node-id",
-            node_id,
-            "--state-dir",
-            str(state_dir),
-        ),
+    """A node ``node_id`` in ``machine``: ``llmgw node add --json`` in ``a``
+    gives a join code, ``llmgw join CODE`` in ``machine`` joins and runs the
+    agent. Its join process (the agent once joined) and its state directory
+    (the shard files, ``shards/*.json``)."""
+    added = a.run(
+        _llmgw("node", "add", "--json", "--node-id", node_id, "--data-dir", str(a.data_dir)),
+        timeout_s=60,
     )
-    return process, state_dir
+    assert added.returncode == 0, added.stderr
+    code = json.loads(added.stdout)["code"]
+    process = machine.start(
+        "llmgw-join",
+        _llmgw("join", code, "--data-dir", str(machine.data_dir), "--node-id", node_id),
+    )
+    return process, machine.data_dir / "agent"
 
 
 #: Run in a machine: listen on argv[1]:argv[2], answer one connection with
@@ -368,7 +348,7 @@ def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_b
     b_ready = first_ready_on("node-b")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"node-b: agent started → first replica READY in {b_ready - b_started:.2f} s "
+        f"node-b: llmgw join started → first replica READY in {b_ready - b_started:.2f} s "
         f"(load average {load} on {os.cpu_count()} CPUs)"
     )
     # Node c, then 4 replicas: the 3 new ones go where the model has fewest.
@@ -379,7 +359,7 @@ def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_b
     _ctl(a, "scale", MODEL, str(REPLICAS))
     c_ready = first_ready_on("node-c")
     print(
-        f"node-c: agent started → first replica READY in {c_ready - c_started:.2f} s "
+        f"node-c: llmgw join started → first replica READY in {c_ready - c_started:.2f} s "
         "(including its registration and the scale command)"
     )
 
@@ -402,7 +382,7 @@ def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_b
         assert nodes[node_id]["connected"]
 
     # Each engine runs in its own node's machine and listens there, on the
-    # node's address or every address of that machine; none runs in a.
+    # node's address only; none runs in a.
     engines = {"node-b": _engines(state_dirs["node-b"]), "node-c": _engines(state_dirs["node-c"])}
     for node_id, machine in (("node-b", b), ("node-c", c)):
         mine = {rid for rid, r in replicas.items() if r["node_id"] == node_id}
@@ -413,7 +393,7 @@ def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_b
             assert pid in machine.pids(), f"engine of {replica_id} is not in {machine.netns}"
             assert port == replicas[replica_id]["port"]
             hosts = {host for host, p in listening if p == port}
-            assert hosts & {machine.address, "0.0.0.0", "*"}, (replica_id, port, listening)
+            assert hosts == {machine.address}, (replica_id, port, listening)
             print(
                 f"{replica_id} on {node_id}: engine pid {pid} listening on {sorted(hosts)}:{port}"
             )
