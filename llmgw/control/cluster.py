@@ -605,6 +605,7 @@ class Cluster:
             node.send = None
             node.close = None
             node.disconnected_at = self.now()
+            self._rebuild_endpoints()
         self.poke()
 
     def forget_node(self, node_id: str) -> list[ShardInfo]:
@@ -724,9 +725,15 @@ class Cluster:
         self._rebuild_endpoints()
 
     def _rebuild_endpoints(self) -> None:
+        """The routable endpoints from the READY shards. A replica on a node
+        whose link is down is routed to only when its model has no replica
+        on a connected node: a node cut off the network would otherwise take
+        each request sent there for a connect timeout, while an agent merely
+        restarting (its engines still serving) keeps its model answering."""
         old = self._endpoint_of
         kept: dict[str, Endpoint] = {}
         endpoints: dict[str, list[Endpoint]] = {}
+        unlinked: dict[str, list[Endpoint]] = {}
         for shard in self._shards.values():
             if shard.state is not ShardState.READY:
                 continue
@@ -744,7 +751,10 @@ class Cluster:
                 )
             kept[shard.replica_id] = ep
             if not shard.retiring:
-                endpoints.setdefault(shard.model, []).append(ep)
+                routable = endpoints if node.connected else unlinked
+                routable.setdefault(shard.model, []).append(ep)
+        for model, eps in unlinked.items():
+            endpoints.setdefault(model, eps)
         for replica_id, ep in old.items():
             if kept.get(replica_id) is not ep:
                 ep.lose()  # its attempts still waiting for a first byte go elsewhere

@@ -69,12 +69,11 @@ def _status(shard_id: str, state: ShardState, **fields: object) -> protocol.Shar
 
 
 def _shard(replica_id: str, node_id: str = "a", **fields: object) -> ShardInfo:
+    fields = {"model": "m", "port": 20000, **fields}
     return ShardInfo(
         shard_id=replica_id,
         replica_id=replica_id,
-        model="m",
         node_id=node_id,
-        port=20000,
         **fields,  # type: ignore[arg-type]
     )
 
@@ -442,3 +441,27 @@ def test_a_ready_replica_not_answering_leaves_the_endpoints_with_its_reason_and_
     assert not after["m-0"].lost
     assert after["m-1"] is before["m-1"]
     assert shard.reason == ""
+
+
+def test_a_node_whose_link_is_down_is_routed_to_only_when_no_connected_node_has_the_model() -> (
+    None
+):
+    cluster = Cluster()
+    _register(cluster, "a")
+    _register(cluster, "b")
+    cluster.add_shard(_shard("m-0", "a", state=ShardState.READY))
+    cluster.add_shard(_shard("m-1", "b", state=ShardState.READY))
+    cluster.add_shard(_shard("n-0", "b", model="n", state=ShardState.READY))
+    [on_b] = [e for e in cluster.ready_endpoints("m") if e.replica_id == "m-1"]
+    on_b.in_flight = 1
+    cluster.node_disconnected("b")
+    # m has a replica on a connected node: only that one takes requests.
+    assert [e.replica_id for e in cluster.ready_endpoints("m")] == ["m-0"]
+    # n has none: its replica on the cut-off node is still tried (an agent
+    # restarting leaves its engines serving).
+    assert [e.replica_id for e in cluster.ready_endpoints("n")] == ["n-0"]
+    # The requests in flight there are not lost, and the replica is kept.
+    assert cluster.in_flight("m-1") == 1
+    assert cluster.shards["m-1"].state is ShardState.READY
+    _register(cluster, "b", _running("m-1", model="m"), _running("n-0", model="n"))
+    assert sorted(e.replica_id for e in cluster.ready_endpoints("m")) == ["m-0", "m-1"]
