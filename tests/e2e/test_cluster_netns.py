@@ -1,11 +1,12 @@
 """A control plane and two nodes on three "machines" (network namespaces on
 one bridge, :mod:`netns`; ``docs/testing-clusters.md``).
 
-Machine ``a`` runs the control plane alone (``llmgw up --no-agent --engine
-sim``) listening on its bridge address, its admin API on its own
-127.0.0.1; machines ``b`` and ``c`` each run an ``llmgw agent`` dialing
-``ws://<a>:7443/agent`` with their own state directory. No machine reaches
-another's loopback, so whatever the gateway answers came over the bridge.
+Machine ``a`` runs the control plane alone (``llmgw server``) listening on
+its bridge address, its admin API on its own 127.0.0.1; machines ``b`` and
+``c`` join it (``llmgw node add`` in ``a``, ``llmgw join CODE`` in each)
+and run the agent over mutual TLS (``wss://<a>:7443/agent``) with their own
+data directory. No machine reaches another's loopback, so whatever the
+gateway answers came over the bridge.
 
 1. A sim model scaled to 4 replicas spreads 2 and 2 over the nodes
    (placement's spread: the node with the fewest replicas of the model,
@@ -19,6 +20,15 @@ another's loopback, so whatever the gateway answers came over the bridge.
    replica changes state while its node's link is up (a watcher in ``a``
    reads the admin API every half second throughout).
 
+3. Refusals, with one control plane and two other machines: from ``c``,
+   a code already used by ``b``'s join, an expired code and a code whose
+   CA fingerprint is not the cluster's are each refused by ``llmgw join``
+   with its own message, writing nothing; an agent in ``c`` with a
+   self-made certificate is refused by the control plane at every try and
+   never registers; node ``b``, removed with ``ctl nodes remove``, is
+   refused as revoked (its agent reconnecting, then restarted) and stays
+   out of ``ctl nodes``.
+
 The harness's own promises (isolation, removal) are checked by a quick
 test beside it, not marked slow.
 
@@ -28,6 +38,8 @@ its first replica READY.
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
 import json
 import os
 import signal
@@ -40,6 +52,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from llmgw.agent.joincode import JoinCode
 
 if TYPE_CHECKING:
     from tests.e2e import netns
@@ -231,19 +249,25 @@ def _start_control_plane(a: netns.Machine) -> netns.Process:
     return process
 
 
-def _start_node(
-    a: netns.Machine, machine: netns.Machine, node_id: str
-) -> tuple[netns.Process, Path]:
-    """A node ``node_id`` in ``machine``: ``llmgw node add --json`` in ``a``
-    gives a join code, ``llmgw join CODE`` in ``machine`` joins and runs the
-    agent. Its join process (the agent once joined) and its state directory
-    (the shard files, ``shards/*.json``)."""
+def _node_add(a: netns.Machine, *args: str) -> dict[str, Any]:
+    """``llmgw node add --json ARGS`` in ``a``: its answer (``code``,
+    ``expires_at`` …)."""
     added = a.run(
-        _llmgw("node", "add", "--json", "--node-id", node_id, "--data-dir", str(a.data_dir)),
-        timeout_s=60,
+        _llmgw("node", "add", "--json", *args, "--data-dir", str(a.data_dir)), timeout_s=60
     )
     assert added.returncode == 0, added.stderr
-    code = json.loads(added.stdout)["code"]
+    doc: dict[str, Any] = json.loads(added.stdout)
+    return doc
+
+
+def _start_node(
+    a: netns.Machine, machine: netns.Machine, node_id: str, code: str = ""
+) -> tuple[netns.Process, Path]:
+    """A node ``node_id`` in ``machine``: ``llmgw node add --json`` in ``a``
+    gives a join code (or ``code``, made before), ``llmgw join CODE`` in
+    ``machine`` joins and runs the agent. Its join process (the agent once
+    joined) and its state directory (the shard files, ``shards/*.json``)."""
+    code = code or _node_add(a, "--node-id", node_id)["code"]
     process = machine.start(
         "llmgw-join",
         _llmgw("join", code, "--data-dir", str(machine.data_dir), "--node-id", node_id),
@@ -523,4 +547,165 @@ def test_a_model_spreads_over_two_nodes_on_other_machines_and_a_cut_node_comes_b
 
     for agent in agents.values():
         agent.stop(signal.SIGTERM)
+    assert control_plane.stop(signal.SIGINT) == 0, control_plane.log()
+
+
+def _refused_join(machine: netns.Machine, code: str, node_id: str) -> str:
+    """``llmgw join CODE`` in ``machine``, which must be refused: its exit
+    status not 0, no ``agent.yaml`` nor ``tls/`` left in its data
+    directory; its message (the last line of its stderr, after the
+    addresses it tried) returned."""
+    result = machine.run(
+        _llmgw("join", code, "--data-dir", str(machine.data_dir), "--node-id", node_id),
+        timeout_s=60,
+    )
+    assert result.returncode != 0, (result.stdout, result.stderr)
+    assert not (machine.data_dir / "agent.yaml").exists(), result.stderr
+    assert not (machine.data_dir / "tls").exists(), result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines, result
+    return lines[-1]
+
+
+def _self_made_node(folder: Path, node_id: str, cluster_ca: Path, server: str) -> Path:
+    """An ``agent.yaml`` in ``folder`` for ``node_id`` with a certificate of
+    its own CA (made here, not the cluster's), trusting ``cluster_ca`` for
+    the control plane at ``server``; its path."""
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "self-made CA")])
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(hours=1))
+        .not_valid_after(now + dt.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(hours=1))
+        .not_valid_after(now + dt.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    tls = folder / "tls"
+    tls.mkdir(parents=True)
+    (tls / "ca.crt").write_bytes(cluster_ca.read_bytes())
+    (tls / "self-made-ca.crt").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    (tls / "node.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tls / "node.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    (tls / "node.key").chmod(0o600)
+    config = folder / "agent.yaml"
+    config.write_text(
+        json.dumps(  # JSON is YAML
+            {
+                "servers": [server],
+                "tls": {"ca": "tls/ca.crt", "cert": "tls/node.crt", "key": "tls/node.key"},
+                "node_id": node_id,
+            }
+        )
+    )
+    return config
+
+
+@pytest.mark.slow
+def test_bad_codes_and_certificates_are_refused(network: netns.Network) -> None:
+    """Node b joins; then from machine c its code replayed, an expired code
+    and a code with another CA's fingerprint are each refused by ``llmgw
+    join`` with its own message, writing nothing; an agent in c with a
+    self-made certificate is refused by the control plane and never
+    registers; node b, removed (``ctl nodes remove``), is refused as
+    revoked when its agent links again and stays out of ``ctl nodes``."""
+    a, b, c = network["a"], network["b"], network["c"]
+    control_plane = _start_control_plane(a)
+    b_code = _node_add(a, "--node-id", "node-b")["code"]
+    b_agent, _ = _start_node(a, b, "node-b", code=b_code)
+    netns.wait_for(
+        lambda: _nodes(a).get("node-b", {}).get("connected"), DEADLINE_S, "node-b registered"
+    )
+
+    # Three codes that do not work, each run in c.
+    replayed = _refused_join(c, b_code, "node-c")
+    expired_code = _node_add(a, "--expires", "1s", "--node-id", "node-c")
+    netns.wait_for(lambda: time.time() > expired_code["expires_at"] + 1, 30, "the 1 s code expired")
+    expired = _refused_join(c, expired_code["code"], "node-c")
+    good = JoinCode.decode(_node_add(a, "--node-id", "node-c")["code"])
+    other_fingerprint = "sha256:" + hashlib.sha256(b"another cluster's CA").hexdigest()
+    assert other_fingerprint != good.fingerprint
+    forged = JoinCode(good.addresses, good.token, other_fingerprint).encode()
+    wrong_ca = _refused_join(c, forged, "node-c")
+    print(f"replayed: {replayed}\nexpired: {expired}\nwrong CA: {wrong_ca}")
+    assert f"has CA {good.fingerprint}" in wrong_ca, wrong_ca
+    assert f"this code was made for {other_fingerprint}" in wrong_ca, wrong_ca
+    assert len({replayed, expired, wrong_ca}) == 3
+    # Each message has its own words, and only its own.
+    words = {"already used": replayed, "expired at": expired, "made for": wrong_ca}
+    for word, message in words.items():
+        assert [w for w in words if w in message] == [word], message
+    assert set(_nodes(a)) == {"node-b"}
+
+    # An agent in c with a certificate of its own CA: the TLS handshake is
+    # refused, at every try, and it never registers.
+    config = _self_made_node(
+        c.root / "self-made",
+        "node-self",
+        a.data_dir / "ca" / "ca.crt",
+        f"wss://{a.address}:{PORTS['agents']}/agent",
+    )
+    self_made = c.start("self-made-agent", _llmgw("agent", "--config", str(config)))
+    refused_cert = "the control plane refused this node's certificate"
+
+    def refused_twice(process: netns.Process, words: str, node_id: str) -> bool:
+        assert node_id not in _nodes(a), f"{node_id} registered: {process.log()}"
+        return process.log().count(words) >= 2
+
+    netns.wait_for(
+        lambda: refused_twice(self_made, refused_cert, "node-self"),
+        DEADLINE_S,
+        "the self-made agent refused twice",
+    )
+    assert self_made.running(), self_made.log()
+    assert f"agent link from {c.address}" in control_plane.log(), control_plane.log()
+
+    # Node b removed: its certificate revoked, its link closed; its agent,
+    # left reconnecting, is refused as revoked and stays out.
+    assert "certificate revoked" not in b_agent.log()
+    removed = _ctl(a, "nodes", "remove", "node-b")
+    assert removed["revoked_certificates"] >= 1, removed
+    assert "node-b" not in _nodes(a)
+    netns.wait_for(
+        lambda: refused_twice(b_agent, "certificate revoked", "node-b"),
+        DEADLINE_S,
+        "node-b's agent refused as revoked twice",
+    )
+    assert "the control plane refused this node" in b_agent.log(), b_agent.log()
+    assert b_agent.running(), b_agent.log()
+    # Restarted, it is refused the same way.
+    b_agent.stop(signal.SIGTERM)
+    restarted = b.start("agent-again", _llmgw("agent", "--config", str(b.data_dir / "agent.yaml")))
+    netns.wait_for(
+        lambda: refused_twice(restarted, "certificate revoked", "node-b"),
+        DEADLINE_S,
+        "node-b's restarted agent refused as revoked twice",
+    )
+    assert set(_nodes(a)) == set(), _nodes(a)
+
+    for process in (self_made, restarted):
+        process.stop(signal.SIGTERM)
     assert control_plane.stop(signal.SIGINT) == 0, control_plane.log()
