@@ -568,14 +568,17 @@ async def check_clock(
         "that `llmgw server` runs there"
     )
     try:
-        with trio.fail_after(timeout_s):
+        # httpx's own timeouts end the request (closing its socket); the outer
+        # bound only catches what they do not cover (a cancelled request may
+        # leave its socket to the garbage collector).
+        with trio.fail_after(3 * timeout_s):
             async with httpx.AsyncClient(verify=context, timeout=timeout_s) as client:
                 started = clock()
                 began = time.monotonic()
                 response = await client.get(url)
                 round_trip_s = time.monotonic() - began
                 ended = clock()
-    except trio.TooSlowError:
+    except (trio.TooSlowError, httpx.TimeoutException):
         return CheckResult(
             "clock", "fail", f"{address}: no answer within {timeout_s:g} s", unreachable
         )
