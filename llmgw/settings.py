@@ -441,7 +441,9 @@ class GuardSettings:
         policies: name → policy, beside the built-in ``baseline`` and ``observe``.
         attach: ``org:ID``, ``team:ID``, ``project:ID`` or ``key:ID`` → the
             policies the requests of that part of the tree get on top of
-            the defaults (a project's add to its org's).
+            the defaults (a project's add to its org's); a level may also be
+            named by its path (``org:Acme``, ``team:Acme/ml``,
+            ``project:Acme/ml/train``).
     """
 
     enabled: bool = True
