@@ -81,3 +81,118 @@ async def test_a_policy_attached_to_the_project_by_path_adds_to_the_defaults(rig
     assert "deny:no-zeus:0" in got.json()["error"]["message"]
     _apply(rig, {"attach": {"project:acme/search/other": ["baseline"]}})
     assert (await rig.call("POST", CHAT, _chat("tell me about Zeus"))).status == 200
+
+
+def _saying(text: str, **more: Any) -> dict[str, Any]:
+    """A chat request the sim answers with ``{"say": text}`` (a schema's
+    ``const``), streamed in pieces of 8 characters."""
+    schema = {"type": "object", "properties": {"say": {"const": text}}, "required": ["say"]}
+    return _chat(
+        "answer",
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        **more,
+    )
+
+
+def _stream_text(body: bytes) -> tuple[str, list[str]]:
+    import orjson
+
+    text, finishes = [], []
+    for line in body.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        doc = orjson.loads(line[6:])
+        for choice in doc.get("choices") or []:
+            text.append(choice.get("delta", {}).get("content") or "")
+            if choice.get("finish_reason"):
+                finishes.append(choice["finish_reason"])
+    return "".join(text), finishes
+
+
+async def test_a_secret_in_an_answer_stops_it_with_content_filter(rig: Rig) -> None:
+    rig.cluster.apply_settings(ServerSettings())
+    got = await rig.call("POST", CHAT, _saying(f"the key is {AWS} ok"))
+    assert got.status == 200, got.body
+    choice = got.json()["choices"][0]
+    assert choice["finish_reason"] == "content_filter"
+    assert choice["message"]["content"] == '{"say":"the key is '
+    assert AWS not in got.body.decode()
+
+    # Streamed: the sim sends it in pieces of 8 characters, so the key is
+    # split over events; it is still caught and never sent.
+    got = await rig.call(
+        "POST",
+        CHAT,
+        _saying(f"the key is {AWS} ok", stream=True, stream_options={"include_usage": True}),
+    )
+    assert got.status == 200
+    text, finishes = _stream_text(got.body)
+    assert AWS[:8] not in text
+    assert text == '{"say":"the key is '
+    assert finishes == ["content_filter"]
+    assert b'"usage"' in got.body
+    assert got.body.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_an_anthropic_stream_with_a_secret_ends_in_refusal(rig: Rig) -> None:
+    rig.cluster.apply_settings(ServerSettings())
+    _apply(rig, {"policies": {"p": {"output": {"deny": ["tok1"]}}}, "default": ["p"]})
+    got = await rig.call(
+        "POST",
+        "/v1/messages",
+        {
+            "model": "sim",
+            "max_tokens": 5,
+            "stream": True,
+            "messages": [{"role": "user", "content": "answer"}],
+        },
+    )
+    assert got.status == 200, got.body
+    assert b'"stop_reason":"refusal"' in got.body
+    assert b"tok1" not in got.body
+    assert b"tok0" in got.body
+    whole = await rig.call(
+        "POST",
+        "/v1/messages",
+        {"model": "sim", "max_tokens": 5, "messages": [{"role": "user", "content": "answer"}]},
+    )
+    assert whole.json()["stop_reason"] == "refusal"
+    assert whole.json()["content"][0]["text"] == "tok0 "
+    responses = await rig.call(
+        "POST", "/v1/responses", {"model": "sim", "input": "answer", "max_output_tokens": 5}
+    )
+    assert responses.json()["status"] == "incomplete"
+    assert responses.json()["incomplete_details"] == {"reason": "content_filter"}
+
+
+async def test_a_card_number_in_an_answer_is_masked_streamed_or_not(rig: Rig) -> None:
+    rig.cluster.apply_settings(ServerSettings())
+    got = await rig.call("POST", CHAT, _saying("card 4111 1111 1111 1111 thanks"))
+    assert got.json()["choices"][0]["message"]["content"] == (
+        '{"say":"card **** **** **** 1111 thanks"}'
+    )
+    got = await rig.call("POST", CHAT, _saying("card 4111 1111 1111 1111 thanks", stream=True))
+    text, finishes = _stream_text(got.body)
+    assert text == '{"say":"card **** **** **** 1111 thanks"}'
+    assert finishes == ["stop"]
+
+
+async def test_placeholders_are_restored_in_the_answer_streamed_or_not(rig: Rig) -> None:
+    _apply(
+        rig,
+        {
+            "default": ["p"],
+            "policies": {"p": {"input": {"pii": {"email": "redact"}, "restore": True}}},
+        },
+    )
+    body = _saying("write to [EMAIL_1] or [EMAIL_2]")
+    body["messages"][0]["content"] = "mail jane@example.com and bob@example.org"
+    got = await rig.call("POST", CHAT, body)
+    assert got.json()["choices"][0]["message"]["content"] == (
+        '{"say":"write to jane@example.com or bob@example.org"}'
+    )
+    body["stream"] = True  # placeholders cut over the sim's 8-character pieces
+    got = await rig.call("POST", CHAT, body)
+    text, finishes = _stream_text(got.body)
+    assert text == '{"say":"write to jane@example.com or bob@example.org"}'
+    assert finishes == ["stop"]
