@@ -47,23 +47,29 @@ class Verdict:
 
     Attributes:
         rules: the rule ids that matched, each once, in order.
+        actions: each rule id → the strictest action it took.
         action: the strictest action taken (``""`` when nothing matched).
         seconds: time spent guarding.
         stopped: the answer was cut (``content_filter``).
     """
 
-    __slots__ = ("action", "rules", "seconds", "stopped")
+    __slots__ = ("action", "actions", "rules", "seconds", "stopped")
 
     def __init__(self) -> None:
         self.rules: list[str] = []
+        self.actions: dict[str, str] = {}
         self.action = ""
         self.seconds = 0.0
         self.stopped = False
 
     def note(self, rule: str, action: str) -> None:
         """Record that ``rule`` matched and ``action`` was taken."""
-        if rule not in self.rules:
+        known = self.actions.get(rule)
+        if known is None:
             self.rules.append(rule)
+            self.actions[rule] = action
+        elif _STRENGTH[action] > _STRENGTH[known]:
+            self.actions[rule] = action
         if _STRENGTH[action] > _STRENGTH.get(self.action, 0):
             self.action = action
 

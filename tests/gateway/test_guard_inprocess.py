@@ -36,6 +36,8 @@ async def test_baseline_refuses_a_secret_in_a_prompt_in_each_apis_shape(rig: Rig
     assert AWS not in got.body.decode()
     row = await rig.row(got.headers[b"x-request-id"])
     assert row.status == 400
+    assert (row.guard_rules, row.guard_action) == ("secret:aws_access_key", "block")
+    assert row.guard_ms > 0
 
     got = await rig.call(
         "POST",
