@@ -2,7 +2,7 @@
 path in the tree, pattern rules run in one pass over each text (hyperscan),
 their actions on prompts and answers, streams included.
 
-Placed between the gateway and the router in the layers: it imports the
+Placed below llmgw.control and above llmgw.router in the layers: it imports the
 settings and the error tree, never the gateway.
 """
 

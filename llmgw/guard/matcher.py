@@ -89,20 +89,23 @@ class Matcher:
         self._database.scan(data, match_event_handler=on_match, scratch=self._scratch)
         if not ends:
             return []
-        candidates: list[Hit] = []
+        candidates: list[tuple[int, int, int, int]] = []
+        rules = self.rules
         for (ident, start), found in ends.items():
-            rule = self.rules[ident]
-            check = rule.kind.check
+            check = rules[ident].kind.check
+            if check is None:
+                end = max(found)
+                candidates.append((start, start - end, ident, end))
+                continue
             for end in sorted(found, reverse=True):
-                if check is None or check(data, start, end):
-                    candidates.append(Hit(rule, start, end))
+                if check(data, start, end):
+                    candidates.append((start, start - end, ident, end))
                     break
-        order = {id(rule): at for at, rule in enumerate(self.rules)}
-        candidates.sort(key=lambda hit: (hit.start, hit.start - hit.end, order[id(hit.rule)]))
+        candidates.sort()
         hits: list[Hit] = []
         reach = 0
-        for hit in candidates:
-            if hit.start >= reach:
-                hits.append(hit)
-                reach = hit.end
+        for start, _, ident, end in candidates:
+            if start >= reach:
+                hits.append(Hit(rules[ident], start, end))
+                reach = end
         return hits
