@@ -21,14 +21,44 @@ from .policy import Direction
 
 __all__ = ["HOLD_BYTES", "OutputGuard"]
 
-#: Bytes held back at the end of a stream's text when a rule may change or
-#: stop it: longer than the shortest text each built-in kind is recognised
-#: by (a token's prefix, a key block's header), so a value split over chunks
-#: is caught whole. Rules that only flag hold nothing back: they scan the
-#: last :data:`HOLD_BYTES` sent with the new text.
+#: The most bytes held back at the end of a stream's text when a rule may
+#: change or stop it: longer than the shortest text each built-in kind is
+#: recognised by (a token's prefix, a key block's header), so a value split
+#: over chunks is caught whole. With the built-in kinds only the unfinished
+#: last word is held, and the words before it that may continue a value of
+#: several words (card or phone groups); with ``deny`` patterns, which may
+#: span words, the whole window. Rules that only flag hold nothing back:
+#: they scan the last :data:`HOLD_BYTES` sent with the new text.
 HOLD_BYTES: Final = 96
+#: A word that may be part of a value of several words: card, phone and
+#: IBAN groups, a private key block's header.
+_CONTINUABLE: Final = re.compile(rb"[A-Z0-9+().\-]+")
+_SPACE: Final = b" \t\r\n"
 _PLACEHOLDER: Final = re.compile(r"\[[A-Z][A-Z_]*_\d+\]")
 _OPEN_PLACEHOLDER: Final = re.compile(r"\[[A-Z_0-9]{0,40}\Z")
+
+
+def _word_release(held: bytes) -> int:
+    """How much of ``held`` may be sent now when the rules are the built-in
+    kinds: everything but an unfinished last word and the words before it
+    that may continue a value of several words (digits, capitals,
+    separators), never holding more than :data:`HOLD_BYTES`."""
+    floor = len(held) - HOLD_BYTES
+    end = len(held)
+    if end and held[-1] not in _SPACE:
+        end = max(held.rfind(c, 0, end) for c in (b" ", b"\n", b"\t", b"\r")) + 1
+    while end > max(floor, 0):
+        j = end
+        while j > 0 and held[j - 1] in b" \t":
+            j -= 1
+        i = j
+        while i > 0 and held[i - 1] not in _SPACE:
+            i -= 1
+        if i < j and _CONTINUABLE.fullmatch(held, i, j):
+            end = i
+        else:
+            break
+    return max(end, floor)
 
 
 class _Choice:
@@ -62,6 +92,10 @@ class OutputGuard:
         #: Some rule may change or stop the text (else: flags only, nothing held).
         self._acts = rules.max_chars > 0 or any(
             rule.action != "flag" for rule in rules.matcher.rules
+        )
+        #: No deny pattern (which may span words): hold back by words.
+        self._word_hold = not any(
+            rule.kind.rule.startswith("deny:") for rule in rules.matcher.rules
         )
         self._choices: dict[int, _Choice] = {}
 
@@ -132,7 +166,12 @@ class OutputGuard:
             choice.held = window[-HOLD_BYTES:]
             return text, False
         held = choice.held + text.encode("utf-8", "surrogatepass")
-        release = len(held) if end else len(held) - HOLD_BYTES
+        if end:
+            release = len(held)
+        elif self._word_hold:
+            release = _word_release(held)
+        else:
+            release = len(held) - HOLD_BYTES
         while 0 < release < len(held) and (held[release] & 0xC0) == 0x80:
             release -= 1  # not inside a character
         max_chars = self._rules.max_chars

@@ -89,3 +89,22 @@ def test_a_whole_answer_is_cut_before_a_blocked_value() -> None:
         "card ************1111, key ",
         True,
     )
+
+
+def test_only_the_unfinished_word_and_number_groups_are_held_back() -> None:
+    guard = _guard({})
+    output = OutputGuard(guard.output, Verdict(), Redactor(), restore=False)
+    assert output.feed(0, "tok0 tok1 ") == ("tok0 tok1 ", False)
+    assert output.feed(0, "card 4111 1111 ") == ("card ", False)
+    assert output.feed(0, "1111 1111 thanks and AKIAIOSF") == (
+        "**** **** **** 1111 thanks and ",
+        False,
+    )
+    assert output.feed(0, "ODNN7EXAMPLE") == ("", True)
+
+
+def test_with_deny_patterns_the_whole_window_is_held() -> None:
+    guard = _guard({"policies": {"p": {"output": {"deny": ["project zeus"]}}}, "default": ["p"]})
+    output = OutputGuard(guard.output, Verdict(), Redactor(), restore=False)
+    assert output.feed(0, "about project ") == ("", False)
+    assert output.feed(0, "zeus now") == ("about ", True)
