@@ -192,10 +192,12 @@ def overhead_command(
 @click.option("--model", required=True, help="The model name the engine serves.")
 @click.option(
     "--mode",
-    type=click.Choice(["bare", "accounted"]),
+    type=click.Choice(["bare", "accounted", "unguarded", "observe"]),
     default="accounted",
     show_default=True,
-    help="bare: the key checked, no accounting; accounted: limits, budgets and usage rows too.",
+    help="bare: the key checked, no accounting; accounted: limits, budgets and usage rows"
+    " too, and the baseline guard; unguarded: accounted with the guard off; observe:"
+    " accounted under the observe guard policy.",
 )
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT.")
 @click.option(
