@@ -198,3 +198,32 @@ async def test_placeholders_are_restored_in_the_answer_streamed_or_not(rig: Rig)
     text, finishes = _stream_text(got.body)
     assert text == '{"say":"write to jane@example.com or bob@example.org"}'
     assert finishes == ["stop"]
+
+
+async def test_answers_are_cached_per_policies_and_never_with_restore(rig: Rig) -> None:
+    path = await rig.store.find_project("acme", "search", "web")
+    assert path is not None
+    cache = {"projects": {path.project.id: 600}}
+    body = _chat("cache me", max_tokens=3)
+
+    rig.cluster.apply_settings(settings_from_doc({"router": {"cache": cache}}))
+    first = await rig.call("POST", CHAT, body)
+    again = await rig.call("POST", CHAT, body)
+    assert b"x-llmgw-cache" not in first.headers
+    assert again.headers.get(b"x-llmgw-cache") == b"hit"
+
+    # Other policies: not the answer kept under baseline.
+    rig.cluster.apply_settings(
+        settings_from_doc({"router": {"cache": cache}, "guard": {"default": ["observe"]}})
+    )
+    assert b"x-llmgw-cache" not in (await rig.call("POST", CHAT, body)).headers
+
+    restoring = {
+        "default": ["p"],
+        "policies": {"p": {"input": {"pii": {"email": "redact"}, "restore": True}}},
+    }
+    rig.cluster.apply_settings(settings_from_doc({"router": {"cache": cache}, "guard": restoring}))
+    for _ in range(2):
+        got = await rig.call("POST", CHAT, body)
+        assert got.status == 200
+        assert b"x-llmgw-cache" not in got.headers
