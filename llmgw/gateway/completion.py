@@ -3,7 +3,8 @@ messages and OpenAI responses (``docs/api.md``).
 
 A request: authenticate the key → refuse when the system is stopped → read,
 parse, translate and check the body → resolve the model (aliases) → the
-routing profile → limits and budgets → the answer cache → admission by
+routing profile → the guard's input rules (``docs/guardrails.md``) →
+limits and budgets → the answer cache → admission by
 band and the attempts of the router's route (retries, fallbacks), relayed
 (:mod:`llmgw.gateway.relay`) → record it (:mod:`llmgw.gateway.recording`).
 A client that disconnects cancels the engine request. Any

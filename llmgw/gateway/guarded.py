@@ -99,27 +99,30 @@ class GuardedStream:
     def finish(self) -> bytes:
         """The engine closed the stream: the last event, anything held, the end."""
         docs = self._guarded(self._reader.close())
-        for index in sorted(self._open):
-            rest, stopped = self._guard.close(index)
-            if rest or stopped:
-                docs.append(
-                    {
-                        "choices": [
-                            {
-                                "index": index,
-                                "delta": {"content": rest},
-                                "finish_reason": CONTENT_FILTER if stopped else None,
-                            }
-                        ]
-                    }
-                )
-        self._open.clear()
+        self._flush(docs)
         out = self._shape.feed_docs(docs) if docs else b""
         return out + self._shape.finish()
 
+    def _flush(self, docs: list[Any]) -> None:
+        """Append what is still held for choices the engine never finished."""
+        for index in sorted(self._open):
+            rest, stopped = self._guard.close(index)
+            if rest or stopped:
+                choice = {
+                    "index": index,
+                    "delta": {"content": rest},
+                    "finish_reason": CONTENT_FILTER if stopped else None,
+                }
+                docs.append({"choices": [choice]})
+        self._open.clear()
+
     def _guarded(self, docs: list[Any]) -> list[Any]:
         guard = self._guard
+        out: list[Any] = []
         for doc in docs:
+            if doc == DONE:
+                self._flush(out)
+            out.append(doc)
             if doc == DONE or not isinstance(doc, dict):
                 continue
             choices = doc.get("choices")
@@ -152,4 +155,4 @@ class GuardedStream:
                 if stopped:
                     choice["finish_reason"] = CONTENT_FILTER
                     self._open.discard(index)
-        return docs
+        return out

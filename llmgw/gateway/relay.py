@@ -9,7 +9,10 @@ try again. Each attempt goes out over a pooled keep-alive connection
 back as it came (the client's bytes sent on unchanged while they name the
 model served), translated for the Anthropic and Responses routes; a stream
 is relayed as it arrives, the events in hand joined into one write, and its
-usage read on the way (the engine is always asked for it). Deadlines:
+usage read on the way (the engine is always asked for it). A request with
+guard output rules (or ``restore``) has its answer guarded: whole, or each
+stream event parsed once by :class:`~llmgw.gateway.guarded.GuardedStream`
+and handed to the shape (``docs/guardrails.md``). Deadlines:
 ``router.timeouts.first_byte`` for the answer's head (cut sooner, and
 tried elsewhere, when the replica leaves routing meanwhile), ``generation``
 for the whole answer (then cut, 504).

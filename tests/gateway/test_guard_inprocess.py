@@ -227,3 +227,22 @@ async def test_answers_are_cached_per_policies_and_never_with_restore(rig: Rig) 
         got = await rig.call("POST", CHAT, body)
         assert got.status == 200
         assert b"x-llmgw-cache" not in got.headers
+
+
+def test_text_held_when_the_engine_ends_without_a_finish_reason_comes_before_done() -> None:
+    from llmgw.gateway.guarded import GuardedStream
+    from llmgw.gateway.sse import SseRelay
+    from llmgw.guard import Guards, Redactor, Verdict
+    from llmgw.guard.output import OutputGuard
+
+    guard = Guards().for_request(ServerSettings().guard, "k", ("", "", ""))
+    assert guard is not None
+    output = OutputGuard(guard.output, Verdict(), Redactor(), restore=False)
+    stream = GuardedStream(SseRelay(pass_usage=False), output)
+    out = stream.feed(
+        b'data: {"choices":[{"index":0,"delta":{"content":"card 4111 1111 1111 1111"}}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    out += stream.finish()
+    assert out.index(b"**** **** **** 1111") < out.index(b"[DONE]")
+    assert b"4111" not in out
