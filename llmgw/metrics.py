@@ -58,6 +58,19 @@ TOKENS: Final = Counter(
     ["model", "direction"],
     registry=REGISTRY,
 )
+GUARD_VERDICTS: Final = Counter(
+    "llmgw_guard_verdicts",
+    "Requests in which a guard rule matched, by rule id and the action it took"
+    " (flag, mask, redact, block).",
+    ["rule", "action"],
+    registry=REGISTRY,
+)
+GUARD_DURATION: Final = Histogram(
+    "llmgw_guard_duration_seconds",
+    "Time spent guarding one request, both directions.",
+    buckets=(0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5),
+    registry=REGISTRY,
+)
 IN_FLIGHT: Final = Gauge(
     "llmgw_requests_in_flight", "Client requests being answered now.", registry=REGISTRY
 )

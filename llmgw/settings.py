@@ -40,17 +40,24 @@ from typing import Any, Final, Optional
 
 import attrs
 import cattrs
+import hyperscan
 import yaml
 
 from llmgw.errors import InvalidInput
 
 __all__ = [
     "DEFAULT_BANDS",
+    "GUARD_ACTIONS",
+    "GUARD_BUILTIN_POLICIES",
+    "GUARD_PII_KINDS",
     "ROUTING_PROFILES",
     "AdmissionSettings",
     "AuthSettings",
     "BandSettings",
     "CacheSettings",
+    "GuardPolicy",
+    "GuardRules",
+    "GuardSettings",
     "NodesSettings",
     "OnDemandSettings",
     "Price",
@@ -328,6 +335,146 @@ class NodesSettings:
     drain_grace: float = _duration_field(300.0)
 
 
+#: What a rule does with what it finds (``docs/guardrails.md``): ``off``,
+#: ``flag`` (recorded only), ``mask`` (cards: all but the last four digits
+#: starred), ``redact`` (a placeholder ``[KIND_n]``), ``block`` (400
+#: ``content_filter``), from the mildest to the strictest.
+GUARD_ACTIONS: Final = ("off", "flag", "mask", "redact", "block")
+#: The PII kinds a policy's ``pii`` may name.
+GUARD_PII_KINDS: Final = ("email", "phone", "card", "iban", "ssn", "ip")
+_INJECTION_ACTIONS: Final = ("off", "flag", "block")
+
+
+def _guard_action(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value not in GUARD_ACTIONS:
+        raise ValueError(f"{attribute.name}: {value!r} is not one of {', '.join(GUARD_ACTIONS)}")
+
+
+def _pii_actions(_: object, attribute: attrs.Attribute[Any], value: Mapping[str, str]) -> None:
+    for kind, action in value.items():
+        if kind not in GUARD_PII_KINDS:
+            raise ValueError(
+                f"pii.{kind}: no such kind; the kinds are {', '.join(GUARD_PII_KINDS)}"
+            )
+        if action not in GUARD_ACTIONS:
+            raise ValueError(f"pii.{kind}: {action!r} is not one of {', '.join(GUARD_ACTIONS)}")
+        if action == "mask" and kind != "card":
+            raise ValueError(f"pii.{kind}: only card numbers are masked; redact or block it")
+
+
+def _injection_action(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value not in _INJECTION_ACTIONS:
+        raise ValueError(f"injection: {value!r} is not one of {', '.join(_INJECTION_ACTIONS)}")
+
+
+def _deny_patterns(_: object, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    for at, pattern in enumerate(value):
+        try:
+            re.compile(pattern)
+            # The guard's one-pass matcher takes no look-arounds or back-references.
+            hyperscan.Database().compile(expressions=[pattern.encode()])
+        except (re.error, hyperscan.error) as exc:
+            raise ValueError(
+                f"deny[{at}]: {pattern!r} is not a regular expression the guard can run: {exc}"
+            ) from None
+
+
+@attrs.frozen(kw_only=True)
+class GuardRules:
+    """One direction's rules of a policy (``input`` or ``output``).
+
+    Attributes:
+        pii: PII kind (:data:`GUARD_PII_KINDS`) → action (:data:`GUARD_ACTIONS`).
+        secrets: what to do with secrets (cloud keys, provider tokens,
+            private key blocks, JWTs, connection strings with a password).
+        injection: ``off``, ``flag`` (recorded) or ``block``; input only.
+        deny: regular expressions refused wherever they match.
+        max_chars: the most characters of text; 0 = unlimited.
+        restore: put the redacted values back into the answer (input only).
+    """
+
+    pii: Mapping[str, str] = attrs.field(factory=dict, validator=_pii_actions)
+    secrets: str = attrs.field(default="off", validator=_guard_action)
+    injection: str = attrs.field(default="off", validator=_injection_action)
+    deny: tuple[str, ...] = attrs.field(default=(), validator=_deny_patterns)
+    max_chars: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    restore: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class GuardPolicy:
+    """A named policy: its ``input`` and ``output`` rules; ``no_store``
+    keeps the request out of the answer cache."""
+
+    input: GuardRules = attrs.field(factory=GuardRules)
+    output: GuardRules = attrs.field(factory=GuardRules)
+    no_store: bool = False
+
+
+#: The built-in policies, always defined (a policy of the same name in
+#: ``guard.policies`` replaces it). ``baseline``: secrets refused both ways,
+#: card numbers masked, injection attempts recorded. ``observe``: every
+#: pattern rule records and none acts.
+GUARD_BUILTIN_POLICIES: Final[Mapping[str, GuardPolicy]] = {
+    "baseline": GuardPolicy(
+        input=GuardRules(pii={"card": "mask"}, secrets="block", injection="flag"),
+        output=GuardRules(pii={"card": "mask"}, secrets="block"),
+    ),
+    "observe": GuardPolicy(
+        input=GuardRules(
+            pii=dict.fromkeys(GUARD_PII_KINDS, "flag"), secrets="flag", injection="flag"
+        ),
+        output=GuardRules(pii=dict.fromkeys(GUARD_PII_KINDS, "flag"), secrets="flag"),
+    ),
+}
+
+_ATTACH_LEVELS: Final = ("org", "team", "project", "key")
+
+
+@attrs.frozen(kw_only=True)
+class GuardSettings:
+    """``guard``: the guardrails (``docs/guardrails.md``).
+
+    Attributes:
+        enabled: off = no policy applies anywhere.
+        default: the policies every request gets.
+        policies: name → policy, beside the built-in ``baseline`` and ``observe``.
+        attach: ``org:ID``, ``team:ID``, ``project:ID`` or ``key:ID`` → the
+            policies the requests of that part of the tree get on top of
+            the defaults (a project's add to its org's); a level may also be
+            named by its path (``org:Acme``, ``team:Acme/ml``,
+            ``project:Acme/ml/train``).
+    """
+
+    enabled: bool = True
+    default: tuple[str, ...] = ("baseline",)
+    policies: Mapping[str, GuardPolicy] = attrs.field(factory=dict)
+    attach: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
+
+    def policy(self, name: str) -> GuardPolicy:
+        """The policy called ``name`` (``KeyError`` when there is none)."""
+        found = self.policies.get(name)
+        return found if found is not None else GUARD_BUILTIN_POLICIES[name]
+
+    def __attrs_post_init__(self) -> None:
+        known = set(GUARD_BUILTIN_POLICIES) | set(self.policies)
+        named = sorted(known)
+        for name in self.default:
+            if name not in known:
+                raise ValueError(
+                    f"default: no policy {name!r}; the policies are {', '.join(named)}"
+                )
+        for where, names in self.attach.items():
+            level, _, ident = where.partition(":")
+            if level not in _ATTACH_LEVELS or not ident:
+                raise ValueError(f"attach.{where}: not org:ID, team:ID, project:ID or key:ID")
+            for name in names:
+                if name not in known:
+                    raise ValueError(
+                        f"attach.{where}: no policy {name!r}; the policies are {', '.join(named)}"
+                    )
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """The whole settings document: ``server.yaml`` seeds it, the store
@@ -338,6 +485,7 @@ class ServerSettings:
     on_demand: OnDemandSettings = attrs.field(factory=OnDemandSettings)
     router: RouterSettings = attrs.field(factory=RouterSettings)
     nodes: NodesSettings = attrs.field(factory=NodesSettings)
+    guard: GuardSettings = attrs.field(factory=GuardSettings)
 
 
 def _make_converter() -> cattrs.Converter:

@@ -120,3 +120,73 @@ def test_no_bands_or_two_of_one_name_are_refused() -> None:
 def test_settings_that_would_break_routing_are_refused(doc: dict[str, Any], says: str) -> None:
     with pytest.raises(SettingsError, match=re.escape(says)):
         settings_from_doc(doc)
+
+
+def test_guard_defaults_run_baseline_and_the_built_in_policies_exist() -> None:
+    from llmgw.settings import GUARD_BUILTIN_POLICIES, ServerSettings
+
+    guard = ServerSettings().guard
+    assert guard.enabled
+    assert guard.default == ("baseline",)
+    assert set(GUARD_BUILTIN_POLICIES) == {"baseline", "observe"}
+    baseline = guard.policy("baseline")
+    assert baseline.input.secrets == "block"
+    assert baseline.output.secrets == "block"
+    assert baseline.input.pii == {"card": "mask"}
+    assert baseline.input.injection == "flag"
+    observe = guard.policy("observe")
+    assert "block" not in {observe.input.secrets, *observe.input.pii.values()}
+
+
+def test_guard_policies_read_from_a_document_and_back() -> None:
+    from llmgw.settings import settings_to_doc
+
+    doc = {
+        "guard": {
+            "default": ["baseline"],
+            "policies": {
+                "strict": {
+                    "input": {
+                        "pii": {"email": "redact", "phone": "block"},
+                        "deny": ["(?i)project zeus"],
+                        "max_chars": 1000,
+                        "restore": True,
+                    },
+                    "output": {"secrets": "redact"},
+                    "no_store": True,
+                }
+            },
+            "attach": {"project:p1": ["strict"], "org:o1": ["observe"]},
+        }
+    }
+    settings = settings_from_doc(doc)
+    strict = settings.guard.policy("strict")
+    assert strict.input.pii == {"email": "redact", "phone": "block"}
+    assert strict.input.restore
+    assert settings.guard.attach["project:p1"] == ("strict",)
+    assert settings_from_doc(settings_to_doc(settings)) == settings
+
+
+@pytest.mark.parametrize(
+    ("guard", "says"),
+    [
+        ({"policies": {"p": {"input": {"pii": {"emial": "redact"}}}}}, "pii.emial: no such kind"),
+        (
+            {"policies": {"p": {"input": {"pii": {"email": "mask"}}}}},
+            "only card numbers are masked",
+        ),
+        ({"policies": {"p": {"input": {"secrets": "burn"}}}}, "'burn' is not one of"),
+        ({"policies": {"p": {"input": {"colour": 1}}}}, "colour"),
+        ({"policies": {"p": {"output": {"deny": ["("]}}}}, "deny[0]"),
+        ({"policies": {"p": {"output": {"deny": ["a", "(?<=x)y"]}}}}, "deny[1]"),
+        ({"default": ["nope"]}, "default: no policy 'nope'"),
+        ({"attach": {"project:p1": ["nope"]}}, "attach.project:p1: no policy 'nope'"),
+        ({"attach": {"building:1": ["baseline"]}}, "not org:ID, team:ID"),
+        ({"policies": {"p": {"input": {"max_chars": -1}}}}, "max_chars"),
+    ],
+)
+def test_a_bad_guard_setting_is_refused_with_its_path(guard: dict[str, Any], says: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        settings_from_doc({"guard": guard})
+    assert says in str(caught.value)
+    assert "guard" in str(caught.value)

@@ -54,6 +54,7 @@ class ScopeResolver:
         self._store = store
         self._ttl_s = cache_ttl_s
         self._cache: dict[str, tuple[float, tuple[ScopeLimits, ...], tuple[str, str, str]]] = {}
+        self._names: dict[str, tuple[str, str, str]] = {}
 
     async def path(self, key: KeyRecord) -> tuple[tuple[ScopeLimits, ...], tuple[str, str, str]]:
         """The key's limits path (key, project, team, org) and its
@@ -79,11 +80,22 @@ class ScopeResolver:
                     scope_limits(f"org:{found.org.id}", found.org.limits),
                 ]
                 ids = (found.project.id, found.team.id, found.org.id)
+                self._names[key.id] = (
+                    found.path,
+                    f"{found.org.name}/{found.team.name}",
+                    found.org.name,
+                )
         path = tuple(levels)
         if len(self._cache) > 100_000:
             self._cache.clear()
+            self._names.clear()
         self._cache[key.id] = (now + self._ttl_s, path, ids)
         return path, ids
+
+    def names(self, key_id: str) -> tuple[str, str, str]:
+        """The (``Org/team/project``, ``Org/team``, ``Org``) names of a key's
+        place in the tree as :meth:`path` last read them, ``""`` when unknown."""
+        return self._names.get(key_id, ("", "", ""))
 
     def forget(self) -> None:
         """Drop every cached path (after a limits or tree change here)."""

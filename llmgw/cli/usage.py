@@ -73,7 +73,7 @@ def ctl_usage(
         print_json(doc)
         return
     click.echo(
-        f"{f'time ({local_zone()})':19}  {'request':28}  {'key':20}  {'model':16}  status  prompt  cached  compl  dur_ms  ttft_ms"
+        f"{f'time ({local_zone()})':19}  {'request':28}  {'key':20}  {'model':16}  status  prompt  cached  compl  dur_ms  ttft_ms  guard"
     )
     for row in doc["data"]:
         when = local_time(row["created_at"])
@@ -81,8 +81,15 @@ def ctl_usage(
         click.echo(
             f"{when:19}  {row['request_id']:28}  {row['key_id']:20}  {row['model'][:16]:16}  "
             f"{row['status']:6}  {row['prompt_tokens']:6}  {row['cached_tokens']:6}  "
-            f"{row['completion_tokens']:5}  {row['duration_ms']:6.0f}  {ttft:>7}"
+            f"{row['completion_tokens']:5}  {row['duration_ms']:6.0f}  {ttft:>7}  "
+            f"{_guard_cell(row)}"
         )
+
+
+def _guard_cell(row: dict[str, Any]) -> str:
+    """``block secret:aws_access_key``: the guard's action and rules, or ``-``."""
+    action = row.get("guard_action") or ""
+    return f"{action} {row.get('guard_rules') or ''}".strip() or "-"
 
 
 @ctl_usage.command("export")

@@ -59,7 +59,8 @@ class Caching:
         """The request's slot when the cache is on for its project
         (``projects``: project id → TTL seconds) and the client did not
         bypass it (``x-llmgw-cache: no-store``, ``bypass`` or ``off``, counted
-        as a ``bypass``); else ``None``."""
+        as a ``bypass``); else ``None``. The key holds the request's guard
+        policies (``docs/guardrails.md``)."""
         project_id = request.scope_ids[0]
         if not projects or not project_id:
             return None
@@ -70,7 +71,12 @@ class Caching:
         if asked is not None and asked.strip().lower() in (b"no-store", b"bypass", b"off"):
             CACHE_REQUESTS.labels(request.model, "bypass").inc()
             return None
-        return CacheSlot(cache_key(project_id, request.model, request.kind, request.doc), ttl_s)
+        model = request.model
+        if request.guard is not None:
+            # Answers kept under other policies are not this request's: a
+            # kept answer passed the same output rules before it was kept.
+            model = f"{model}\x00guard={','.join(request.guard.names)}"
+        return CacheSlot(cache_key(project_id, model, request.kind, request.doc), ttl_s)
 
     def get(self, slot: CacheSlot, model: str) -> CachedAnswer | None:
         """The answer kept in ``slot``, counted as a ``hit`` or ``miss`` of ``model``."""

@@ -197,8 +197,16 @@ class ChatStreamTranslator(ABC, Generic[_Call]):
         """Take engine bytes; return the events they complete."""
         if self.done:
             return b""
+        return self.feed_docs(self._reader.feed(data))
+
+    def feed_docs(self, docs: list[Any]) -> bytes:
+        """Take events already parsed (as :class:`ChatChunkReader` gives
+        them; the guarded path parses each once and hands it on); return
+        the events they complete."""
+        if self.done:
+            return b""
         out = [self.start()]
-        for doc in self._reader.feed(data):
+        for doc in docs:
             self._on_doc(doc, out)
             if self.done:
                 break

@@ -3,7 +3,8 @@ messages and OpenAI responses (``docs/api.md``).
 
 A request: authenticate the key → refuse when the system is stopped → read,
 parse, translate and check the body → resolve the model (aliases) → the
-routing profile → limits and budgets → the answer cache → admission by
+routing profile → the guard's input rules (``docs/guardrails.md``) →
+limits and budgets → the answer cache → admission by
 band and the attempts of the router's route (retries, fallbacks), relayed
 (:mod:`llmgw.gateway.relay`) → record it (:mod:`llmgw.gateway.recording`).
 A client that disconnects cancels the engine request. Any
@@ -28,6 +29,7 @@ from llmgw.asgi import Message, Receive, Scope, Send, cancel_on_disconnect
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.errors import LlmgwError, Refused, StoreError, describe
+from llmgw.guard import Guards, Redactor, Verdict, guard_chat_doc
 from llmgw.router.router import ClusterView, Route, Router
 from llmgw.router.scoring import PROFILES
 from llmgw.settings import ServerSettings
@@ -107,6 +109,7 @@ class Completions:
         self._max_body_bytes = max_body_bytes
         self._accountant = accountant
         self._resolver = resolver
+        self._guards = Guards()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
         """Answer one request of ``kind`` (a value of :data:`ROUTES`)."""
@@ -186,12 +189,30 @@ class Completions:
             reservation = None
             permits = None
             accountant, resolver = self._accountant, self._resolver
-            if accountant is not None and resolver is not None:
+            path = None
+            if resolver is not None:
                 try:
                     path, scope_ids = await resolver.path(key)
                 except StoreError as exc:
                     log.error("cannot read a key's limits: %s", describe(exc))
                     raise
+            # Guardrails on the prompt, before the limits and the cache
+            # (docs/guardrails.md, Order).
+            guard = self._guards.for_request(
+                settings.guard,
+                key.id,
+                scope_ids,
+                resolver.names(key.id) if resolver is not None else NO_SCOPE,
+            )
+            redactor = None
+            if guard is not None:
+                outcome.verdict = Verdict()
+                redactor = Redactor()
+                if guard.input.active and guard_chat_doc(
+                    doc, guard.input, outcome.verdict, redactor
+                ):
+                    body = None  # the doc changed: the client's bytes no longer go
+            if accountant is not None and path is not None:
                 try:
                     reservation = accountant.check(
                         path, model.name, estimate_tokens(doc, estimate_kind), time.time()
@@ -219,6 +240,8 @@ class Completions:
                 and isinstance(options, dict)
                 and options.get("include_usage") is True,
                 prompt_estimate=prompt_estimate,
+                guard=guard,
+                redactor=redactor,
             )
             route = self._router.route(
                 model,
@@ -274,7 +297,12 @@ class Completions:
         outcome: Outcome,
     ) -> None:
         """The answer cache, then admission and the relay."""
-        slot = self._caching.slot(request, scope, settings.router.cache.projects)
+        guard = request.guard
+        slot = (
+            self._caching.slot(request, scope, settings.router.cache.projects)
+            if guard is None or guard.cacheable
+            else None
+        )
         if slot is not None:
             hit = self._caching.get(slot, request.model)
             if hit is not None:

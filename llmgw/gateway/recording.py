@@ -63,6 +63,11 @@ class Recorder:
             metrics.TOKENS.labels(label, "prompt").inc(usage.prompt_tokens)
             metrics.TOKENS.labels(label, "cached").inc(usage.cached_tokens)
             metrics.TOKENS.labels(label, "completion").inc(usage.completion_tokens)
+        verdict = outcome.verdict
+        if verdict is not None:
+            metrics.GUARD_DURATION.observe(verdict.seconds)
+            for rule, action in verdict.actions.items():
+                metrics.GUARD_VERDICTS.labels(rule, action).inc()
         key = request.key
         if key is None or not self._accounting:
             return None
@@ -116,6 +121,7 @@ def _row(
     ttft_s = outcome.ttft_s
     duration_s = time.perf_counter() - request.started
     project_id, team_id, org_id = request.scope_ids
+    verdict = outcome.verdict
     return UsageRow(
         request_id=request.request_id,
         created_at=time.time(),
@@ -136,4 +142,7 @@ def _row(
         team_id=team_id,
         org_id=org_id,
         cache_hit=outcome.cache_hit,
+        guard_rules=",".join(verdict.rules) if verdict is not None else "",
+        guard_action=verdict.action if verdict is not None else "",
+        guard_ms=round(verdict.seconds * 1000, 3) if verdict is not None else 0.0,
     )

@@ -9,7 +9,10 @@ try again. Each attempt goes out over a pooled keep-alive connection
 back as it came (the client's bytes sent on unchanged while they name the
 model served), translated for the Anthropic and Responses routes; a stream
 is relayed as it arrives, the events in hand joined into one write, and its
-usage read on the way (the engine is always asked for it). Deadlines:
+usage read on the way (the engine is always asked for it). A request with
+guard output rules (or ``restore``) has its answer guarded: whole, or each
+stream event parsed once by :class:`~llmgw.gateway.guarded.GuardedStream`
+and handed to the shape (``docs/guardrails.md``). Deadlines:
 ``router.timeouts.first_byte`` for the answer's head (cut sooner, and
 tried elsewhere, when the replica leaves routing meanwhile), ``generation``
 for the whole answer (then cut, 504).
@@ -27,6 +30,7 @@ import trio
 
 from llmgw.asgi import Send
 from llmgw.errors import describe
+from llmgw.guard.output import OutputGuard
 from llmgw.router.endpoint import Endpoint
 from llmgw.router.router import Attempt, EndpointLost, Route
 from llmgw.settings import ServerSettings
@@ -34,6 +38,7 @@ from llmgw.settings import ServerSettings
 from . import anthropic, responses
 from .caching import CacheSlot, Caching
 from .errors import ApiError, engine_error, error_body_for
+from .guarded import GuardedStream, guard_answer
 from .http import JSON, NO_CACHE, SSE, answer
 from .request import Outcome, Request
 from .sse import SseRelay, Usage, usage_from
@@ -74,12 +79,15 @@ class HasSettings(Protocol):
 class _StreamShape(Protocol):
     """A streamed answer's relay or translator: engine SSE bytes in, client
     bytes out (:class:`SseRelay`, :class:`anthropic.MessagesStream`,
-    :class:`responses.ResponsesStream`)."""
+    :class:`responses.ResponsesStream`), or a :class:`GuardedStream` in front of one."""
 
-    usage: Usage | None
-    content_chunks: int
-    #: The answer's end is in hand (``[DONE]``, or the translated end).
-    done: bool
+    @property
+    def usage(self) -> Usage | None: ...
+    @property
+    def content_chunks(self) -> int: ...
+    @property
+    def done(self) -> bool:
+        """The answer's end is in hand (``[DONE]``, or the translated end)."""
 
     def feed(self, data: bytes) -> bytes: ...
     def finish(self) -> bytes: ...
@@ -253,6 +261,9 @@ class Relay:
                 except orjson.JSONDecodeError:
                     whole = None
                 usage = usage_from(whole)
+                guard = _output_guard(request, outcome)
+                if guard is not None and isinstance(whole, dict) and guard_answer(whole, guard):
+                    data = orjson.dumps(whole)
                 if kind == "messages" and isinstance(whole, dict):
                     data = orjson.dumps(anthropic.chat_to_message(whole, request.client_model))
                     content_type = JSON
@@ -314,7 +325,7 @@ class Relay:
         headers: list[tuple[bytes, bytes]],
         keep: CacheSlot | None,
     ) -> None:
-        shape = _stream_shape(request)
+        shape = _stream_shape(request, outcome)
         outcome.progress = functools.partial(_stream_usage, request, shape)
         await send(
             {
@@ -387,18 +398,31 @@ def _stream_usage(request: Request, shape: _StreamShape) -> Usage | None:
     return usage
 
 
-def _stream_shape(request: Request) -> _StreamShape:
+def _output_guard(request: Request, outcome: Outcome) -> OutputGuard | None:
+    """The request's output rules, when they may look at or change its answer."""
+    guard, verdict, redactor = request.guard, outcome.verdict, request.redactor
+    if guard is None or verdict is None or redactor is None:
+        return None
+    output = OutputGuard(guard.output, verdict, redactor, restore=guard.input.restore)
+    return output if output.active else None
+
+
+def _stream_shape(request: Request, outcome: Outcome) -> _StreamShape:
+    shape: anthropic.MessagesStream | responses.ResponsesStream | SseRelay
     if request.kind == "messages":
-        return anthropic.MessagesStream(
+        shape = anthropic.MessagesStream(
             request.client_model,
             anthropic.new_message_id(),
             input_tokens=request.prompt_estimate,
         )
-    if request.kind == "responses":
-        return responses.ResponsesStream(
+    elif request.kind == "responses":
+        shape = responses.ResponsesStream(
             request.client_model, responses.new_response_id(), request=request.client_doc
         )
-    return SseRelay(pass_usage=request.pass_usage)
+    else:
+        shape = SseRelay(pass_usage=request.pass_usage)
+    guard = _output_guard(request, outcome)
+    return shape if guard is None else GuardedStream(shape, guard)
 
 
 def _broken(request: Request) -> bytes:

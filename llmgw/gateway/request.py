@@ -10,6 +10,7 @@ from typing import Any, Final
 import attrs
 
 from llmgw.accounting.accountant import Reservation
+from llmgw.guard import Guard, Redactor, Verdict
 from llmgw.store import KeyRecord
 
 from .sse import Usage
@@ -47,6 +48,9 @@ class Request:
         pass_usage: the client asked for a stream's usage chunk.
         prompt_estimate: its prompt's tokens estimated from its size (4
             bytes a token), charged when an engine's count never comes.
+        guard: its policies combined (``docs/guardrails.md``), None when
+            none checks anything.
+        redactor: the request's placeholders (only in its memory).
     """
 
     kind: str
@@ -63,6 +67,8 @@ class Request:
     client_doc: dict[str, Any] | None = None
     pass_usage: bool = False
     prompt_estimate: int = 0
+    guard: Guard | None = None
+    redactor: Redactor | None = None
 
     @property
     def client_model(self) -> str:
@@ -87,6 +93,7 @@ class Outcome:
         replica: the endpoint that answered (``cache`` for a cached answer).
         cache_hit: answered from the answer cache.
         progress: a stream under way: the tokens seen so far (set by the relay).
+        verdict: what the guard found, both directions (None: not guarded).
     """
 
     __slots__ = (
@@ -98,6 +105,7 @@ class Outcome:
         "status",
         "ttft_s",
         "usage",
+        "verdict",
     )
 
     def __init__(self) -> None:
@@ -109,6 +117,7 @@ class Outcome:
         self.replica = ""
         self.cache_hit = False
         self.progress: Callable[[], Usage | None] | None = None
+        self.verdict: Verdict | None = None
 
     def finish(self, status: int) -> None:
         """Settle the status, unless it is settled already."""

@@ -92,6 +92,31 @@ class SseRelay:
                 out.append(kept + _EVENT_END)
         return b"".join(out)
 
+    def feed_docs(self, docs: list[Any]) -> bytes:
+        """Take events already parsed (``"[DONE]"`` for ``data: [DONE]``,
+        else their JSON), as the guarded path hands them on; return them as
+        the client should get them, usage kept or dropped as :meth:`feed` does."""
+        out: list[bytes] = []
+        for doc in docs:
+            if doc == "[DONE]":
+                self.done = True
+                out.append(b"data: [DONE]\n\n")
+                continue
+            if not isinstance(doc, dict):
+                continue
+            choices = doc.get("choices")
+            if choices or "usage" not in doc:
+                self.content_chunks += 1
+            usage = usage_from(doc)
+            if usage is not None:
+                self.usage = usage
+                if not self._pass_usage:
+                    if not choices:
+                        continue
+                    del doc["usage"]
+            out.append(b"data: " + orjson.dumps(doc) + _EVENT_END)
+        return b"".join(out)
+
     def finish(self) -> bytes:
         """Whatever is left when the engine closes the stream (the same
         contract as the Anthropic and Responses translators' ``finish``)."""

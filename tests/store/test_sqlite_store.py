@@ -183,6 +183,7 @@ async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Pa
         (6, "0006_usage_cache_hit.sql"),
         (7, "0007_usage_retention.sql"),
         (8, "0008_node_identity.sql"),
+        (9, "0009_usage_guard.sql"),
     ]
     assert backups(path) == []
 

@@ -191,6 +191,21 @@ async def test_a_usage_row_with_defaults_round_trips(store: Store) -> None:
     assert await store.get_usage("r") == row
 
 
+async def test_a_usage_rows_guard_verdict_round_trips(store: Store) -> None:
+    row = UsageRow(
+        request_id="g",
+        created_at=1.0,
+        key_id="k",
+        model="m",
+        status=400,
+        guard_rules="secret:aws_access_key,pii:card",
+        guard_action="block",
+        guard_ms=0.125,
+    )
+    await store.insert_usage([row])
+    assert await store.get_usage("g") == row
+
+
 async def test_usage_rows_already_kept_are_skipped_when_a_batch_is_retried(store: Store) -> None:
     first = make_usage("req_1", created_at=1.0)
     await store.insert_usage([first])

@@ -182,6 +182,22 @@ def overhead_command(
         raise SystemExit(130)
 
 
+@bench.command("guard")
+@click.option("--seconds", default=0.5, show_default=True, help="CPU seconds per figure.")
+@_JSON
+def guard_command(seconds: float, as_json: bool) -> None:
+    """CPU time of the guard's matcher: per KiB of prompt, per streamed answer."""
+    from .guard import run_bench_guard
+
+    rows = run_bench_guard(seconds)
+    if as_json:
+        click.echo(orjson.dumps(rows).decode())
+        return
+    click.echo(f"{'what':44}  {'policy':8}  {'CPU µs':>9}")
+    for row in rows:
+        click.echo(f"{row['what']:44}  {row['policy']:8}  {row['us']:9.1f}")
+
+
 @bench.command("gateway")
 @click.option("--engine-url", required=True, help="The engine, http://HOST:PORT.")
 @click.option(
@@ -192,10 +208,12 @@ def overhead_command(
 @click.option("--model", required=True, help="The model name the engine serves.")
 @click.option(
     "--mode",
-    type=click.Choice(["bare", "accounted"]),
+    type=click.Choice(["bare", "accounted", "unguarded", "observe"]),
     default="accounted",
     show_default=True,
-    help="bare: the key checked, no accounting; accounted: limits, budgets and usage rows too.",
+    help="bare: the key checked, no accounting; accounted: limits, budgets and usage rows"
+    " too, and the baseline guard; unguarded: accounted with the guard off; observe:"
+    " accounted under the observe guard policy.",
 )
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT.")
 @click.option(

@@ -11,7 +11,11 @@ instead of a reconciler and agents. Modes (figures in ``docs/performance.md``,
   tenancy tree, its rate limits and budgets checked and settled at every
   level (set high enough never to refuse), the cost at a price, and a usage
   row made durable in the usage journal (one fdatasync per group) and
-  written by the batching writer into a SQLite store.
+  written by the batching writer into a SQLite store; the guard runs the
+  default ``baseline`` policy, as on ``llmgw up``;
+- ``unguarded``: ``accounted`` with the guard off (``guard.enabled: false``);
+- ``observe``: ``accounted`` with the ``observe`` policy on both directions
+  instead of ``baseline`` (every pattern recorded, nothing held back).
 
 On start it prints one JSON line to stdout: ``{"listen": "HOST:PORT",
 "key": "sk-llmgw-…", "pid": N}``; it runs until SIGTERM or SIGINT.
@@ -41,13 +45,15 @@ from llmgw.control.cluster import Cluster
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
 from llmgw.router.endpoint import Endpoint
-from llmgw.settings import Price
+from llmgw.settings import Price, settings_from_doc
 from llmgw.store import ModelRecord, open_store
 from llmgw.store.records import Limits
 
 __all__ = ["MODES", "run_bench_gateway"]
 
-MODES: Final = ("bare", "accounted")
+MODES: Final = ("bare", "accounted", "unguarded", "observe")
+#: The ``guard`` settings of the modes that set them.
+_GUARD: Final = {"unguarded": {"enabled": False}, "observe": {"default": ["observe"]}}
 #: A price for the benchmark's model, so costs and budgets are computed.
 BENCH_PRICE: Final = Price(prompt_per_1k=100, cached_per_1k=10, completion_per_1k=400)
 
@@ -115,7 +121,9 @@ async def run_bench_gateway(
                 ]
             }
         )
-        accounted = mode == "accounted"
+        if mode in _GUARD:
+            cluster.apply_settings(settings_from_doc({"guard": _GUARD[mode]}))
+        accounted = mode != "bare"
         # As `llmgw up` runs it: each row made durable in the usage journal
         # before the end of its answer goes out.
         journal = UsageJournal(data_dir / "usage-journal") if accounted else None

@@ -302,7 +302,8 @@ async def run_overhead(
 
     Args:
         rates: offered request rates (requests/s), rising.
-        modes: gateway modes to measure (``bare``, ``accounted``).
+        modes: gateway modes to measure (``bare``, ``accounted``,
+            ``unguarded``, ``observe``: ``llmgw.bench.gateway``).
         duration_s: measured seconds per run (per rate: the engine alone,
             each mode, the engine alone again).
         warmup_s: seconds per run not counted.

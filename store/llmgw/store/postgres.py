@@ -914,7 +914,8 @@ def _revoke_key(conn: _Conn, *, key_id: str, at: float) -> bool:
 _USAGE_COLUMNS = (
     "request_id, created_at, key_id, model, status, prompt_tokens, cached_tokens,"
     " completion_tokens, duration_ms, ttft_ms, replica_id, stream, endpoint, project_id,"
-    " team_id, org_id, served_model, images, meshes, cost_micros, cache_hit"
+    " team_id, org_id, served_model, images, meshes, cost_micros, cache_hit, guard_rules,"
+    " guard_action, guard_ms"
 )
 _USAGE_TYPES = [
     "text",
@@ -938,6 +939,9 @@ _USAGE_TYPES = [
     "int8",
     "int8",
     "bool",
+    "text",
+    "text",
+    "float8",
 ]
 
 _INSERT_USAGE = (
@@ -971,6 +975,9 @@ def _usage_from_row(row: DictRow) -> UsageRow:
         meshes=row["meshes"],
         cost_micros=row["cost_micros"],
         cache_hit=bool(row["cache_hit"]),
+        guard_rules=row["guard_rules"],
+        guard_action=row["guard_action"],
+        guard_ms=row["guard_ms"],
     )
 
 
@@ -1036,6 +1043,9 @@ def _store_usage(conn: _Conn, batch: list[UsageRow]) -> None:
             r.meshes,
             r.cost_micros,
             r.cache_hit,
+            r.guard_rules,
+            r.guard_action,
+            r.guard_ms,
         )
         for r in batch
     ]

@@ -197,6 +197,13 @@ class UsageRow:
     cost_micros: int = 0
     #: Answered from the exact answer cache (no tokens, no cost).
     cache_hit: bool = False
+    #: The guardrails' rule ids that matched, comma separated (never the text).
+    guard_rules: str = ""
+    #: The strictest guard action taken: ``flag``, ``mask``, ``redact``,
+    #: ``block``, or ``""``.
+    guard_action: str = ""
+    #: Milliseconds spent guarding, both directions.
+    guard_ms: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

@@ -889,14 +889,18 @@ def _usage_from_row(row: sqlite3.Row) -> UsageRow:
         meshes=row["meshes"],
         cost_micros=row["cost_micros"],
         cache_hit=bool(row["cache_hit"]),
+        guard_rules=row["guard_rules"],
+        guard_action=row["guard_action"],
+        guard_ms=row["guard_ms"],
     )
 
 
 _INSERT_USAGE = (
     "INSERT INTO usage (request_id, created_at, key_id, model, status, prompt_tokens,"
     " cached_tokens, completion_tokens, duration_ms, ttft_ms, replica_id, stream, endpoint,"
-    " project_id, team_id, org_id, served_model, images, meshes, cost_micros, cache_hit)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " project_id, team_id, org_id, served_model, images, meshes, cost_micros, cache_hit,"
+    " guard_rules, guard_action, guard_ms)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
     # Only a repeated request id is skipped; any other bad row fails the batch.
     " ON CONFLICT (request_id) DO NOTHING"
 )
@@ -968,6 +972,9 @@ def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
                     r.meshes,
                     r.cost_micros,
                     int(r.cache_hit),
+                    r.guard_rules,
+                    r.guard_action,
+                    r.guard_ms,
                 ),
             )
             if cursor.rowcount != 1:

@@ -1,0 +1,111 @@
+"""The one-pass matcher: every pattern of a set of rules compiled into one
+hyperscan database, run once over a text (``docs/guardrails.md``).
+
+Hyperscan reports every end of every match; with ``SOM_LEFTMOST`` each
+report also carries the leftmost start. For each (pattern, start) the
+longest end that passes the kind's check wins; overlapping hits go to the
+longer one (ties to the earlier rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+import hyperscan
+
+from .patterns import Kind
+
+__all__ = ["Hit", "Matcher", "Rule"]
+
+_BASE_FLAGS: Final = hyperscan.HS_FLAG_SOM_LEFTMOST
+
+
+@attrs.frozen
+class Rule:
+    """A kind with the action a policy gives it (``flag``, ``mask``, ``redact``, ``block``)."""
+
+    kind: Kind
+    action: str
+
+
+@attrs.frozen
+class Hit:
+    """A rule's match over ``data[start:end]``."""
+
+    rule: Rule
+    start: int
+    end: int
+
+
+def compile_database(patterns: Sequence[bytes], flags: Sequence[int]) -> hyperscan.Database:
+    """A block-mode hyperscan database of ``patterns`` (ids = their index).
+
+    Raises:
+        hyperscan.error: a pattern hyperscan cannot compile.
+    """
+    database = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+    database.compile(
+        expressions=list(patterns),
+        ids=list(range(len(patterns))),
+        elements=len(patterns),
+        flags=list(flags),
+    )
+    return database
+
+
+class Matcher:
+    """``rules`` in one database; :meth:`scan` finds their hits in one pass."""
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.rules = tuple(rules)
+        self._database = (
+            compile_database(
+                [rule.kind.pattern for rule in self.rules],
+                [
+                    _BASE_FLAGS | (hyperscan.HS_FLAG_CASELESS if rule.kind.caseless else 0)
+                    for rule in self.rules
+                ],
+            )
+            if self.rules
+            else None
+        )
+        self._scratch = hyperscan.Scratch(self._database) if self._database is not None else None
+
+    def scan(self, data: bytes) -> list[Hit]:
+        """The hits in ``data``, in order, none overlapping."""
+        if self._database is None or not data:
+            return []
+        ends: dict[tuple[int, int], list[int]] = {}
+
+        def on_match(ident: int, start: int, end: int, _flags: int, _context: object) -> None:
+            found = ends.get((ident, start))
+            if found is None:
+                ends[(ident, start)] = [end]
+            else:
+                found.append(end)
+
+        self._database.scan(data, match_event_handler=on_match, scratch=self._scratch)
+        if not ends:
+            return []
+        candidates: list[tuple[int, int, int, int]] = []
+        rules = self.rules
+        for (ident, start), found in ends.items():
+            check = rules[ident].kind.check
+            if check is None:
+                end = max(found)
+                candidates.append((start, start - end, ident, end))
+                continue
+            for end in sorted(found, reverse=True):
+                if check(data, start, end):
+                    candidates.append((start, start - end, ident, end))
+                    break
+        candidates.sort()
+        hits: list[Hit] = []
+        reach = 0
+        for start, _, ident, end in candidates:
+            if start >= reach:
+                hits.append(Hit(rules[ident], start, end))
+                reach = end
+        return hits

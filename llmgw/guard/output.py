@@ -1,0 +1,209 @@
+"""The output rules over an answer: whole, or as it streams.
+
+A stream's text is guarded per choice through a sliding window: the last
+:data:`HOLD_BYTES` bytes are held back until more text (or the end) comes,
+so a value split over two events is still seen whole; a match that reaches
+into the held part holds back from its start. With ``restore`` the
+placeholders of the request's prompt are put back first (a placeholder cut
+by a chunk boundary is held until complete), so the output rules see what
+the client will see. A rule that blocks stops the choice: what came before
+the match is sent, then ``finish_reason: content_filter``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Final
+
+from .apply import ContentFiltered, Redactor, Verdict, apply_hits
+from .policy import Direction
+
+__all__ = ["HOLD_BYTES", "OutputGuard"]
+
+#: The most bytes held back at the end of a stream's text when a rule may
+#: change or stop it: longer than the shortest text each built-in kind is
+#: recognised by (a token's prefix, a key block's header), so a value split
+#: over chunks is caught whole. With the built-in kinds only the unfinished
+#: last word is held, and the words before it that may continue a value of
+#: several words (card or phone groups); with ``deny`` patterns, which may
+#: span words, the whole window. Rules that only flag hold nothing back:
+#: they scan the last :data:`HOLD_BYTES` sent with the new text.
+HOLD_BYTES: Final = 96
+#: A word that may be part of a value of several words: card, phone and
+#: IBAN groups, a private key block's header.
+_CONTINUABLE: Final = re.compile(rb"[A-Z0-9+().\-]+")
+_SPACE: Final = b" \t\r\n"
+_PLACEHOLDER: Final = re.compile(r"\[[A-Z][A-Z_]*_\d+\]")
+_OPEN_PLACEHOLDER: Final = re.compile(r"\[[A-Z_0-9]{0,40}\Z")
+
+
+def _word_release(held: bytes) -> int:
+    """How much of ``held`` may be sent now when the rules are the built-in
+    kinds: everything but an unfinished last word and the words before it
+    that may continue a value of several words (digits, capitals,
+    separators), never holding more than :data:`HOLD_BYTES`."""
+    floor = len(held) - HOLD_BYTES
+    end = len(held)
+    if end and held[-1] not in _SPACE:
+        end = max(held.rfind(c, 0, end) for c in (b" ", b"\n", b"\t", b"\r")) + 1
+    while end > max(floor, 0):
+        j = end
+        while j > 0 and held[j - 1] in b" \t":
+            j -= 1
+        i = j
+        while i > 0 and held[i - 1] not in _SPACE:
+            i -= 1
+        if i < j and _CONTINUABLE.fullmatch(held, i, j):
+            end = i
+        else:
+            break
+    return max(end, floor)
+
+
+class _Choice:
+    __slots__ = ("held", "pending", "sent_chars", "stopped")
+
+    def __init__(self) -> None:
+        self.pending = ""  # text not yet restored (a placeholder may be cut)
+        self.held = b""  # restored text not yet released
+        self.sent_chars = 0
+        self.stopped = False
+
+
+class OutputGuard:
+    """One request's output rules and their state.
+
+    Args:
+        rules: the output direction of the request's guard.
+        verdict: where what is found is recorded.
+        redactor: the request's placeholders.
+        restore: put the prompt's redacted values back into the answer.
+    """
+
+    def __init__(
+        self, rules: Direction, verdict: Verdict, redactor: Redactor, *, restore: bool
+    ) -> None:
+        self._rules = rules
+        self._verdict = verdict
+        self._redactor = redactor
+        self._restore = restore and bool(redactor.values)
+        self._checks = rules.active
+        #: Some rule may change or stop the text (else: flags only, nothing held).
+        self._acts = rules.max_chars > 0 or any(
+            rule.action != "flag" for rule in rules.matcher.rules
+        )
+        #: No deny pattern (which may span words): hold back by words.
+        self._word_hold = not any(
+            rule.kind.rule.startswith("deny:") for rule in rules.matcher.rules
+        )
+        self._choices: dict[int, _Choice] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether an answer's text can change or be stopped."""
+        return self._checks or self._restore
+
+    def stopped(self, index: int) -> bool:
+        """Whether choice ``index`` was stopped by a rule."""
+        choice = self._choices.get(index)
+        return choice is not None and choice.stopped
+
+    def _restored(self, text: str) -> str:
+        values = self._redactor.values
+        return _PLACEHOLDER.sub(lambda m: values.get(m.group(0), m.group(0)), text)
+
+    def feed(self, index: int, text: str) -> tuple[str, bool]:
+        """Take a piece of choice ``index``'s text; return what may be sent
+        now, and whether the choice is stopped (``content_filter``) now."""
+        started = time.perf_counter()
+        try:
+            return self._feed(index, text, end=False)
+        finally:
+            self._verdict.seconds += time.perf_counter() - started
+
+    def close(self, index: int) -> tuple[str, bool]:
+        """The end of choice ``index``: everything held, guarded whole."""
+        started = time.perf_counter()
+        try:
+            return self._feed(index, "", end=True)
+        finally:
+            self._verdict.seconds += time.perf_counter() - started
+
+    def whole(self, text: str) -> tuple[str, bool]:
+        """A whole answer's text: what to send, and whether it was stopped
+        (then cut before the first match of a rule that blocks)."""
+        started = time.perf_counter()
+        try:
+            return self._feed(-1, text, end=True)
+        finally:
+            self._verdict.seconds += time.perf_counter() - started
+            self._choices.pop(-1, None)
+
+    def _feed(self, index: int, text: str, *, end: bool) -> tuple[str, bool]:
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = _Choice()
+        if choice.stopped:
+            return "", True
+        if self._restore:
+            pending = choice.pending + text
+            cut = None if end else _OPEN_PLACEHOLDER.search(pending)
+            if cut is not None:
+                pending, choice.pending = pending[: cut.start()], pending[cut.start() :]
+            else:
+                choice.pending = ""
+            text = self._restored(pending)
+        if not self._checks:
+            return text, False
+        if not self._acts:
+            # Flags only: send at once; scan what came with the tail before it.
+            data = text.encode("utf-8", "surrogatepass")
+            window = choice.held + data
+            for hit in self._rules.matcher.scan(window):
+                if hit.end > len(choice.held):
+                    self._verdict.note(hit.rule.kind.rule, hit.rule.action)
+            choice.held = window[-HOLD_BYTES:]
+            return text, False
+        held = choice.held + text.encode("utf-8", "surrogatepass")
+        if end:
+            release = len(held)
+        elif self._word_hold:
+            release = _word_release(held)
+        else:
+            release = len(held) - HOLD_BYTES
+        while 0 < release < len(held) and (held[release] & 0xC0) == 0x80:
+            release -= 1  # not inside a character
+        max_chars = self._rules.max_chars
+        hits = self._rules.matcher.scan(held)
+        blocking = next((hit for hit in hits if hit.rule.action == "block"), None)
+        if blocking is not None:
+            release = blocking.start
+        else:
+            for hit in hits:
+                if hit.start < release < hit.end:
+                    release = hit.start
+                    break
+        if release <= 0 and blocking is None:
+            choice.held = held
+            return "", False
+        done = [hit for hit in hits if hit.end <= release]
+        try:
+            out = apply_hits(held[:release], done, self._verdict, self._redactor, what="answer")
+        except ContentFiltered:  # pragma: no cover - blocking hits end after release
+            out = b""
+        sent = out.decode("utf-8", "surrogatepass")
+        choice.held = held[release:]
+        if max_chars and choice.sent_chars + len(sent) > max_chars:
+            sent = sent[: max(0, max_chars - choice.sent_chars)]
+            blocking_rule = "max_chars"
+        elif blocking is not None:
+            blocking_rule = blocking.rule.kind.rule
+        else:
+            choice.sent_chars += len(sent)
+            return sent, False
+        choice.stopped = True
+        choice.held = b""
+        self._verdict.note(blocking_rule, "block")
+        self._verdict.stopped = True
+        return sent, True

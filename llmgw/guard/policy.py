@@ -1,0 +1,177 @@
+"""Policies combined along a key's path, compiled once.
+
+A request gets ``guard.default`` plus every policy attached to its org,
+team, project and key (``guard.attach``), in that order, each name once.
+Combined, each rule takes the strictest action any of them gives (``off`` <
+``flag`` < ``mask`` < ``redact`` < ``block``), ``deny`` patterns add up,
+``max_chars`` is the smallest set, ``restore`` and ``no_store`` hold when any
+asks. The result (:class:`Guard`) is cached per settings and list of names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+
+from llmgw.settings import GUARD_ACTIONS, GuardPolicy, GuardRules, GuardSettings
+
+from .matcher import Matcher, Rule
+from .patterns import INJECTION, PII, SECRETS, Kind
+
+__all__ = ["Direction", "Guard", "Guards", "policy_names"]
+
+_STRENGTH: Final = {action: at for at, action in enumerate(GUARD_ACTIONS)}
+
+
+def _stricter(a: str, b: str) -> str:
+    return a if _STRENGTH[a] >= _STRENGTH[b] else b
+
+
+def policy_names(
+    guard: GuardSettings,
+    key_id: str,
+    scope_ids: tuple[str, str, str],
+    scope_names: tuple[str, str, str] = ("", "", ""),
+) -> tuple[str, ...]:
+    """The policies a request gets: the defaults, then those attached to its
+    org, team, project and key (by id, or by name: ``org:Acme``,
+    ``team:Acme/ml``, ``project:Acme/ml/train``), each once."""
+    if not guard.enabled:
+        return ()
+    names = list(guard.default)
+    if guard.attach:
+        levels = ("project", "team", "org")
+        places = [
+            f"{level}:{ident}"
+            for at in (2, 1, 0)
+            for ident in (scope_ids[at], scope_names[at])
+            if ident
+            for level in (levels[at],)
+        ]
+        places.append(f"key:{key_id}")
+        for where in places:
+            for name in guard.attach.get(where, ()):
+                if name not in names:
+                    names.append(name)
+    return tuple(names)
+
+
+@attrs.frozen
+class Direction:
+    """One direction's combined rules, compiled.
+
+    Attributes:
+        matcher: every pattern rule that acts, in one database.
+        max_chars: the most characters of text, 0 = unlimited.
+        restore: put redacted values back into the answer (input only).
+    """
+
+    matcher: Matcher
+    max_chars: int = 0
+    restore: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is checked in this direction."""
+        return bool(self.matcher.rules) or self.max_chars > 0
+
+
+def _combine(rules: Sequence[tuple[str, GuardRules]], *, input: bool) -> Direction:
+    pii: dict[str, str] = {}
+    secrets = injection = "off"
+    deny: list[Kind] = []
+    max_chars = 0
+    restore = False
+    for name, each in rules:
+        for kind, action in each.pii.items():
+            pii[kind] = _stricter(pii.get(kind, "off"), action)
+        secrets = _stricter(secrets, each.secrets)
+        if input:
+            injection = _stricter(injection, each.injection)
+        for at, pattern in enumerate(each.deny):
+            deny.append(Kind(f"deny:{name}:{at}", "DENIED", pattern.encode()))
+        if each.max_chars and (not max_chars or each.max_chars < max_chars):
+            max_chars = each.max_chars
+        restore = restore or (input and each.restore)
+    chosen: list[Rule] = []
+    if secrets != "off":
+        chosen += [Rule(kind, secrets) for kind in SECRETS]
+    chosen += [Rule(PII[kind], action) for kind, action in pii.items() if action != "off"]
+    if injection != "off":
+        chosen += [Rule(kind, injection) for kind in INJECTION]
+    chosen += [Rule(kind, "block") for kind in deny]
+    return Direction(matcher=Matcher(chosen), max_chars=max_chars, restore=restore)
+
+
+@attrs.frozen
+class Guard:
+    """A request's combined policies.
+
+    Attributes:
+        names: the policies, in the order applied.
+        input, output: each direction's rules.
+        no_store: keep the request out of the answer cache.
+    """
+
+    names: tuple[str, ...]
+    input: Direction
+    output: Direction
+    no_store: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is checked either way."""
+        return self.input.active or self.output.active
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether the answer may go to, or come from, the answer cache."""
+        return not (self.no_store or self.input.restore)
+
+
+def build_guard(names: tuple[str, ...], policies: Sequence[GuardPolicy]) -> Guard:
+    """The :class:`Guard` of ``policies`` (called ``names``), combined."""
+    return Guard(
+        names=names,
+        input=_combine(
+            [(name, p.input) for name, p in zip(names, policies, strict=True)], input=True
+        ),
+        output=_combine(
+            [(name, p.output) for name, p in zip(names, policies, strict=True)], input=False
+        ),
+        no_store=any(p.no_store for p in policies),
+    )
+
+
+class Guards:
+    """Compiled guards by list of policy names, for one ``guard`` settings
+    block; a changed block (a live settings change) starts a fresh cache."""
+
+    def __init__(self) -> None:
+        self._settings: GuardSettings | None = None
+        self._built: dict[tuple[str, ...], Guard] = {}
+
+    def for_request(
+        self,
+        guard: GuardSettings,
+        key_id: str,
+        scope_ids: tuple[str, str, str],
+        scope_names: tuple[str, str, str] = ("", "", ""),
+    ) -> Guard | None:
+        """The guard of a request by that key at that place in the tree, or
+        None when no policy checks anything."""
+        if guard is not self._settings:
+            self._settings = guard
+            self._built = {}
+        names = policy_names(guard, key_id, scope_ids, scope_names)
+        if not names:
+            return None
+        built = self._built.get(names)
+        if built is None:
+            if len(self._built) > 10_000:
+                self._built.clear()
+            built = build_guard(names, [guard.policy(name) for name in names])
+            self._built[names] = built
+        return built if built.active else None

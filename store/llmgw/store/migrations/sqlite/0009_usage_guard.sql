@@ -1,0 +1,7 @@
+-- 0009: usage rows say what the guardrails found: the rule ids (comma
+-- separated, never the matched text), the strictest action taken, and the
+-- time spent guarding.
+
+ALTER TABLE usage ADD COLUMN guard_rules TEXT NOT NULL DEFAULT '';
+ALTER TABLE usage ADD COLUMN guard_action TEXT NOT NULL DEFAULT '';
+ALTER TABLE usage ADD COLUMN guard_ms REAL NOT NULL DEFAULT 0;

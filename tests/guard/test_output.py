@@ -1,0 +1,110 @@
+"""The output rules over whole answers and streams (the sliding window)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmgw.guard import Guards, Redactor, Verdict, guard_chat_doc
+from llmgw.guard.output import HOLD_BYTES, OutputGuard
+from llmgw.settings import settings_from_doc
+
+
+def _guard(guard: dict[str, Any]) -> Any:
+    built = Guards().for_request(settings_from_doc({"guard": guard}).guard, "k", ("", "", ""))
+    assert built is not None
+    return built
+
+
+def _run(output: OutputGuard, pieces: list[str]) -> tuple[str, bool]:
+    sent, stopped = [], False
+    for piece in pieces:
+        text, stopped = output.feed(0, piece)
+        sent.append(text)
+        if stopped:
+            break
+    if not stopped:
+        text, stopped = output.close(0)
+        sent.append(text)
+    return "".join(sent), stopped
+
+
+def test_a_secret_split_over_pieces_is_caught_and_nothing_of_it_sent() -> None:
+    guard = _guard({})
+    verdict = Verdict()
+    output = OutputGuard(guard.output, verdict, Redactor(), restore=False)
+    sent, stopped = _run(output, ["here: AKIAIOSF", "ODNN7EX", "AMPLE and more"])
+    assert stopped
+    assert sent == "here: "
+    assert verdict.rules == ["secret:aws_access_key"]
+    assert verdict.stopped
+
+
+def test_text_is_held_back_only_as_long_as_the_window() -> None:
+    guard = _guard({})
+    output = OutputGuard(guard.output, Verdict(), Redactor(), restore=False)
+    first, _ = output.feed(0, "x" * (HOLD_BYTES + 10))
+    assert first == "x" * 10
+    rest, stopped = output.close(0)
+    assert rest == "x" * HOLD_BYTES
+    assert not stopped
+
+
+def test_flag_only_rules_hold_nothing_back_and_still_record_split_values() -> None:
+    guard = _guard({"default": ["observe"]})
+    verdict = Verdict()
+    output = OutputGuard(guard.output, verdict, Redactor(), restore=False)
+    assert output.feed(0, "mail jane@exa") == ("mail jane@exa", False)
+    assert output.feed(0, "mple.com now") == ("mple.com now", False)
+    assert verdict.rules == ["pii:email"]
+    assert verdict.action == "flag"
+
+
+def test_restore_puts_back_split_placeholders_before_the_output_rules() -> None:
+    guard = _guard(
+        {
+            "default": ["p"],
+            "policies": {
+                "p": {
+                    "input": {"pii": {"email": "redact"}, "restore": True},
+                    "output": {"deny": ["jane@example\\.com"]},
+                }
+            },
+        }
+    )
+    assert not guard.cacheable
+    redactor, verdict = Redactor(), Verdict()
+    doc = {"messages": [{"role": "user", "content": "a bob@b.io c jane@example.com"}]}
+    guard_chat_doc(doc, guard.input, verdict, redactor)
+    output = OutputGuard(guard.output, verdict, redactor, restore=True)
+    assert _run(output, ["to [EM", "AIL_1", "] ok"]) == ("to bob@b.io ok", False)
+    output = OutputGuard(guard.output, verdict, redactor, restore=True)
+    assert _run(output, ["to [EMAIL_2] ok"]) == ("to ", True)
+    assert "deny:p:0" in verdict.rules
+
+
+def test_a_whole_answer_is_cut_before_a_blocked_value() -> None:
+    guard = _guard({})
+    output = OutputGuard(guard.output, Verdict(), Redactor(), restore=False)
+    assert output.whole("card 4111111111111111, key AKIAIOSFODNN7EXAMPLE") == (
+        "card ************1111, key ",
+        True,
+    )
+
+
+def test_only_the_unfinished_word_and_number_groups_are_held_back() -> None:
+    guard = _guard({})
+    output = OutputGuard(guard.output, Verdict(), Redactor(), restore=False)
+    assert output.feed(0, "tok0 tok1 ") == ("tok0 tok1 ", False)
+    assert output.feed(0, "card 4111 1111 ") == ("card ", False)
+    assert output.feed(0, "1111 1111 thanks and AKIAIOSF") == (
+        "**** **** **** 1111 thanks and ",
+        False,
+    )
+    assert output.feed(0, "ODNN7EXAMPLE") == ("", True)
+
+
+def test_with_deny_patterns_the_whole_window_is_held() -> None:
+    guard = _guard({"policies": {"p": {"output": {"deny": ["project zeus"]}}}, "default": ["p"]})
+    output = OutputGuard(guard.output, Verdict(), Redactor(), restore=False)
+    assert output.feed(0, "about project ") == ("", False)
+    assert output.feed(0, "zeus now") == ("about ", True)
