@@ -443,9 +443,7 @@ def test_a_ready_replica_not_answering_leaves_the_endpoints_with_its_reason_and_
     assert shard.reason == ""
 
 
-def test_a_node_whose_link_is_down_is_routed_to_only_when_no_connected_node_has_the_model() -> (
-    None
-):
+def test_a_node_whose_link_is_down_is_routed_to_only_when_no_connected_node_has_the_model() -> None:
     cluster = Cluster()
     _register(cluster, "a")
     _register(cluster, "b")
