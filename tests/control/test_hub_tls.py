@@ -375,3 +375,37 @@ async def test_a_store_that_cannot_be_asked_refuses_the_link_for_now_and_the_hub
                 said = await _refusal(url, files, "node-b")
                 assert "cannot check this node's certificate now" in said
             nursery.cancel_scope.cancel()
+
+
+async def test_doctor_finds_a_revoked_certificate_refused_with_the_hub_s_reason(
+    setup: Setup,
+) -> None:
+    """The hub checks the certificate before it answers anything: a plain
+    ``GET /agent`` (doctor's) with a revoked certificate gets 403 and the
+    reason, not the 400 of a request that does not upgrade."""
+    from llmgw.agent import doctor
+
+    files = await setup.node("node-b")
+    good = await setup.node("node-c")
+    assert await setup.store.revoke_node_certificates("node-b", time.time()) == 1
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url = await setup.hub(nursery)
+            port = int(url.split(":")[2].split("/")[0])
+            cp = doctor.ControlPlane("127.0.0.1", port)
+            results = []
+            for tls in (files, good):
+                context = doctor.client_ssl_context(tls.ca, tls.cert, tls.key)
+                results.append(
+                    await doctor.check_reachable(
+                        cp, port, context, ca_file=tls.ca, client_cert=True
+                    )
+                )
+            nursery.cancel_scope.cancel()
+    revoked, accepted = results
+    assert revoked.status == "fail", revoked
+    assert "refused this node's certificate (HTTP/1.1 403 Forbidden: node 'node-b': " in (
+        revoked.found
+    )
+    assert "certificate revoked at" in revoked.found
+    assert accepted.status == "ok", accepted

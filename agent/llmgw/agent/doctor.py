@@ -456,30 +456,48 @@ async def _certificate_refusal(
 
     With TLS 1.3 a server's verdict on the client's certificate comes after
     the client's handshake ends, so one plain ``GET /agent`` is sent and the
-    first answer read within ``timeout_s``. The hub answers a request that
-    does not upgrade (400); a TLS alert, a 401/403, or a close without any
-    answer is a refusal; no answer in time is not. Closes ``tls``.
+    first answer read within ``timeout_s``. The hub checks the certificate
+    first: one it refuses gets 403 with the reason as the body (returned
+    after the status line); one it accepts gets 400 (no upgrade). A TLS
+    alert, a 401/403, or a close without any answer is a refusal; no answer
+    in time is not. Closes ``tls``.
     """
     request = f"GET /agent HTTP/1.1\r\nHost: {cp.host}\r\nConnection: close\r\n\r\n"
+    refused = ""
+    answer = b""
     try:
         with trio.move_on_after(timeout_s):
             await tls.send_all(request.encode())
-            head = await tls.receive_some(64)
-            if not head:
+            answer = bytes(await tls.receive_some(4096))
+            if not answer:
                 return "it closed the connection without answering"
-            status = head.split(b"\r\n", 1)[0]
-            if status.split(b" ")[1:2] in ([b"401"], [b"403"]):
-                return status.decode(errors="replace")
+            status = answer.split(b"\r\n", 1)[0]
+            if status.split(b" ")[1:2] not in ([b"401"], [b"403"]):
+                return ""
+            refused = status.decode(errors="replace")
+            # The hub's 403 says why in its body ("certificate revoked at …"),
+            # then closes.
+            while len(answer) < 8192:
+                more = await tls.receive_some(4096)
+                if not more:
+                    break
+                answer += more
     except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
-        cause: BaseException = exc
-        while not isinstance(cause, ssl.SSLError) and cause.__cause__ is not None:
-            cause = cause.__cause__
-        if isinstance(cause, ssl.SSLError):
-            return cause.reason or errors.describe(cause)
-        return f"it closed the connection without answering: {errors.describe(cause)}"
+        if refused:
+            pass  # the answer came; a close without close_notify after it is fine
+        else:
+            cause: BaseException = exc
+            while not isinstance(cause, ssl.SSLError) and cause.__cause__ is not None:
+                cause = cause.__cause__
+            if isinstance(cause, ssl.SSLError):
+                return cause.reason or errors.describe(cause)
+            return f"it closed the connection without answering: {errors.describe(cause)}"
     finally:
         await trio.aclose_forcefully(tls)
-    return ""
+    if not refused:
+        return ""
+    body = answer.partition(b"\r\n\r\n")[2].decode(errors="replace").strip()
+    return f"{refused}: {body}" if body else refused
 
 
 def _connect_error(exc: BaseException) -> str:
