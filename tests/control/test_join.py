@@ -312,3 +312,18 @@ async def test_the_join_port_s_log_lists_the_addresses_codes_carry(
     issued = [line for line in said if line.startswith("issued the control plane's certificate")]
     assert issued, said
     assert issued[0].startswith("issued the control plane's certificate (there was none) for ")
+
+
+async def test_a_control_plane_of_another_ca_is_refused_saying_what_to_do(
+    port: Port, tmp_path: Path
+) -> None:
+    made = await port.service.make_code(expires_s=60)
+    real = JoinCode.decode(made.code)
+    wrong = JoinCode(real.addresses, real.token, "sha256:" + "0" * 64)
+    with pytest.raises(JoinFailed) as refused:
+        await trio.to_thread.run_sync(partial(join_cluster, wrong, tmp_path / "node", node_id="n"))
+    said = str(refused.value)
+    assert f"but this code was made for sha256:{'0' * 64}" in said
+    assert said.endswith(
+        "run `llmgw node add` on the control plane this node should join and use the line it prints"
+    ), said

@@ -244,13 +244,18 @@ def _find_control_plane(code: JoinCode, say: Callable[[str], None]) -> tuple[str
         if found != code.fingerprint:
             mismatch = (
                 f"the control plane at {target} has CA {found} but this code was made for "
-                f"{code.fingerprint}: it is not the control plane that made the code"
+                f"{code.fingerprint}: it is not the control plane that made the code "
+                "(another cluster's, or another machine answers at that address); run "
+                "`llmgw node add` on the control plane this node should join and use the "
+                "line it prints"
             )
             tried.append(f"{target} (another CA)")
             continue
         return target, ca_pem
     if mismatch:
-        raise JoinFailed(mismatch + (f" (tried {', '.join(tried)})" if len(tried) > 1 else ""))
+        tried_all = f" (tried {', '.join(tried)})" if len(tried) > 1 else ""
+        head, _, advice = mismatch.partition("; run ")
+        raise JoinFailed(f"{head}{tried_all}; run {advice}")
     raise JoinFailed(
         "cannot reach the control plane at any address of the code: "
         + ", ".join(tried)
