@@ -84,3 +84,28 @@ def test_join_refuses_at_once_while_an_agent_holds_the_node_s_state(
     assert isinstance(result.exception, SystemExit), result.exception
     assert f"an llmgw agent is running on {tmp_path}" in result.output
     assert "the join code was not used" in result.output
+
+
+def test_join_says_when_the_code_s_node_id_overrides_node_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fake_join(code: JoinCode, data_dir: Path, **kw: object) -> agent_join.Joined:
+        return agent_join.Joined(
+            node_id="from-code",
+            config_path=data_dir / "agent.yaml",
+            control_plane="10.0.0.1:7444",
+            servers=("wss://10.0.0.1:7443/agent",),
+            labels={},
+            serial="ab",
+        )
+
+    monkeypatch.setattr(agent_join, "join_cluster", fake_join)
+    result = CliRunner().invoke(
+        cli, ["join", CODE, "--data-dir", str(tmp_path), "--node-id", "node-b", "--no-start"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "as node from-code" in result.output
+    assert (
+        "note: the join code names the node from-code, which the control plane kept instead "
+        "of node-b"
+    ) in result.output
