@@ -14,7 +14,8 @@
   certificates are revoked (its next link is refused), its replicas'
   engines are stopped when it is connected, its link is closed, and it is
   forgotten, so that its replicas are placed elsewhere. 404 ``node_not_found``
-  for a node that has neither registered nor been issued a certificate;
+  for a node that is not registered now and holds no certificate left to
+  revoke (never known, or removed already);
 - ``GET /api/v1/logs?node=…&source=…&lines=N`` → ``{"node", "source",
   "lines"}``: a node agent's last lines, or a shard's (``source`` = a shard
   id); ``node`` may be left out when there is one node. 404
@@ -112,7 +113,8 @@ def add_node_routes(app: QuartTrio, cluster: Cluster, live: LiveSettings, store:
     async def remove_node(node_id: str) -> Any:
         certificates = await store.list_node_certificates(node_id)
         node = cluster.nodes.get(node_id)
-        if node is None and not certificates:
+        if node is None and all(c.revoked_at is not None for c in certificates):
+            # Never known, or removed already: nothing is left to take out.
             raise NoSuch(
                 f"No node {node_id!r}; {known_names('nodes', cluster.nodes)}.",
                 code="node_not_found",

@@ -166,8 +166,9 @@ class DataDirLock:
     process runs, so two control planes never share one store.
 
     Raises (on enter):
-        StartError: another process holds it ("another llmgw up is using
-            DIR (pid N); stop it, or pass another --data-dir").
+        StartError: another process holds it, named by the command it
+            wrote in the lock file ("another llmgw server is using DIR (pid
+            N); stop it, or pass another --data-dir").
     """
 
     def __init__(self, data_dir: Path, command: str = "llmgw up") -> None:
@@ -181,15 +182,38 @@ class DataDirLock:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._fd)
-            holder = ""
-            try:
-                holder = f" (pid {json.loads((self._path.parent / RUN_FILE).read_text())['pid']})"
-            except (OSError, ValueError, KeyError):
-                pass
+            command, pid = self._holder()
+            holder = f" (pid {pid})" if pid else ""
             raise StartError(
-                f"another {self._command} is using {self._path.parent}{holder}; stop it, or pass "
+                f"another {command} is using {self._path.parent}{holder}; stop it, or pass "
                 "another --data-dir"
             ) from None
+        # The holder's command and pid, for the message another command
+        # gets (`llmgw up` on a directory `llmgw server` holds).
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(
+                self._fd, json.dumps({"command": self._command, "pid": os.getpid()}).encode(), 0
+            )
+        except OSError:
+            pass
+
+    def _holder(self) -> tuple[str, object]:
+        """The holder's command and pid from the lock file (``run.json``'s
+        pid for a holder that wrote none); "llmgw" when unknown."""
+        command, pid = "llmgw", None
+        for path in (self._path, self._path.parent / RUN_FILE):
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if not isinstance(doc, dict):
+                continue
+            if command == "llmgw" and isinstance(doc.get("command"), str):
+                command = doc["command"]
+            if pid is None and isinstance(doc.get("pid"), int):
+                pid = doc["pid"]
+        return command, pid
 
     def __exit__(self, *exc: object) -> None:
         os.close(self._fd)

@@ -176,7 +176,8 @@ def write_agent_token(data_dir: Path, token: str) -> Path:
 
 def write_run_file(data_dir: Path, addresses: Addresses) -> None:
     """Write ``DATA_DIR/run.json``: ``{"pid", "api", "admin", "metrics",
-    "agent_hub"}``, the addresses as ``host:port``."""
+    "agent_hub"}`` and ``"join"`` when there is a join port (``llmgw
+    server``), the addresses as ``host:port``."""
     doc = {
         "pid": os.getpid(),
         "api": addresses.api,
@@ -184,6 +185,8 @@ def write_run_file(data_dir: Path, addresses: Addresses) -> None:
         "metrics": addresses.metrics,
         "agent_hub": addresses.agent_hub,
     }
+    if addresses.join:
+        doc["join"] = addresses.join
     (data_dir / RUN_FILE).write_text(json.dumps(doc, indent=2) + "\n")
 
 

@@ -87,7 +87,7 @@ def read_admin_token(path: Path) -> str:
         token = path.read_text().strip()
     except FileNotFoundError:
         raise AdminTokenMissing(
-            f"no admin token at {path}: run 'llmgw up' first, or pass --data-dir"
+            f"no admin token at {path}: run 'llmgw up' or 'llmgw server' first, or pass --data-dir"
         ) from None
     except OSError as exc:
         raise AdminTokenMissing(f"cannot read the admin token at {path}: {exc}") from None

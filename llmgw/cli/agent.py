@@ -108,7 +108,12 @@ def _run(config: AgentConfig) -> None:
     from llmgw.agent.main import run_agent
     from llmgw.agent.state import StateDirBusy
 
+    failure = ""
     try:
         trio.run(run_agent, config)
     except* (StateDirBusy, OSError) as group:
-        raise click.ClickException(errors.describe(first_leaf(group))) from None
+        # Raised after the try: raised inside ``except*`` it would be wrapped
+        # in a group again and print as a traceback.
+        failure = errors.describe(first_leaf(group))
+    if failure:
+        raise click.ClickException(failure)

@@ -39,7 +39,7 @@ def _labels(text: str) -> dict[str, str]:
     "--expires",
     default="1h",
     show_default=True,
-    help="How long the code works: 45s, 30m, 12h, 7d (at most 30d).",
+    help="How long the code works: 45s, 30m, 12h, 7d; from 1s to 30d (a bare number is seconds).",
 )
 @click.option("--labels", default="", help="Labels for the node: k=v,k2=v2.")
 @click.option("--node-id", default="", help="The node's id (default: the new machine's host name).")
@@ -47,10 +47,18 @@ def _labels(text: str) -> dict[str, str]:
 @json_option()
 def node_add(expires: str, labels: str, node_id: str, data_dir: Path, as_json: bool) -> None:
     """Print `llmgw join CODE`, to run on the new machine: the code works once."""
+    from llmgw.control.join import MAX_CODE_EXPIRES_S
+
     try:
         expires_s = parse_duration_s(expires)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--expires") from None
+    if not 1 <= expires_s <= MAX_CODE_EXPIRES_S:
+        # Checked here, in the option's terms, not by the API ('expires_s').
+        raise click.BadParameter(
+            f"{expires!r}: --expires must be from 1s to {MAX_CODE_EXPIRES_S / 86400:.0f}d",
+            param_hint="--expires",
+        )
     doc = AdminClient.from_data_dir(data_dir).call(
         "POST",
         "/api/v1/nodes/join-codes",

@@ -83,7 +83,8 @@ def ctl_nodes(ctx: click.Context, data_dir: Path, as_json: bool) -> None:
 def ctl_nodes_remove(node: str, data_dir: Path, as_json: bool) -> None:
     """Take NODE out of the cluster: revoke its certificate (its agent is
     refused from now on), stop its replicas' engines, close its link; its
-    replicas are placed on the other nodes."""
+    replicas are placed on the other nodes. A node not connected stops its
+    engines when its agent next connects and is refused."""
     doc = AdminClient.from_data_dir(data_dir).call("DELETE", f"/api/v1/nodes/{path_part(node)}")
     if as_json:
         print_json(doc)
@@ -92,7 +93,12 @@ def ctl_nodes_remove(node: str, data_dir: Path, as_json: bool) -> None:
     click.echo(
         f"node {node} removed: {doc['revoked_certificates']} certificate(s) revoked; "
         f"replicas stopped there: {stopped}"
-        + ("" if doc["was_connected"] else " (it was not connected)")
+        + (
+            ""
+            if doc["was_connected"]
+            else " (it was not connected: its agent stops the engines it still runs "
+            "when it next connects and is refused)"
+        )
     )
 
 

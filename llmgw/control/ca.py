@@ -356,7 +356,7 @@ class ClusterCA:
     def _server_certificate_stale(self) -> str | None:
         """Why the server certificate must be issued again, or ``None``."""
         if not self.server_cert_path.exists() or not self.server_key_path.exists():
-            return "none yet"
+            return "there was none"
         try:
             cert, key = _load_pair(self.server_cert_path, self.server_key_path)
         except errors.StartupError as exc:

@@ -482,7 +482,10 @@ def _profile_problems(
             if facts is not None:
                 need = suggested_min_memory_gb(facts, profile.context_tokens)
                 hint = f" (this model needs about {need} GB at {profile.context_tokens:,} tokens)"
-            problems.append(f"{where}: a new CPU model must state its memory: min_memory_gb{hint}")
+            problems.append(
+                f"{where}: a new CPU model must state its memory: min_memory_gb "
+                f"(--min-memory-gb on the command line){hint}"
+            )
     if facts is not None and profile.tp > 1 and not tp_fits_kv_heads(profile.tp, facts.kv_heads):
         problems.append(
             f"{where}.tp {profile.tp} neither divides the model's {facts.kv_heads} KV heads "

@@ -379,7 +379,11 @@ async def serve_join(
     bound = int(transport.socket.getsockname()[1])
     if not service.addresses:
         service.addresses = tuple(join_address(h, bound) for h in reachable_hosts(host, advertise))
-    log.info("join port on %s (codes carry %s)", join_address(host, bound), service.addresses)
+    log.info(
+        "join port on %s (codes carry %s)",
+        join_address(host, bound),
+        ", ".join(service.addresses),
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handle, listeners)
         task_status.started(bound)

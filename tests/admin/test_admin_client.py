@@ -24,7 +24,7 @@ def test_the_client_reads_the_token_and_the_address_from_the_data_dir(tmp_path: 
 
 
 def test_no_admin_token_is_not_found(tmp_path: Path) -> None:
-    with pytest.raises(AdminTokenMissing, match="run 'llmgw up' first") as caught:
+    with pytest.raises(AdminTokenMissing, match="run 'llmgw up' or 'llmgw server' first") as caught:
         AdminClient.from_data_dir(tmp_path)
     assert isinstance(caught.value, errors.NotFound)
 

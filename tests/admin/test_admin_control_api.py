@@ -14,7 +14,7 @@ from llmgw.auth.admin_token import fingerprint
 from llmgw.auth.keys import new_key
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo, engine_key
 from llmgw.control.model_ops import change_context, purge_weights
-from llmgw.store import ModelRecord, Profile
+from llmgw.store import ModelRecord, NodeCertificate, Profile
 
 if TYPE_CHECKING:
     from tests.admin.conftest import Admin
@@ -574,3 +574,19 @@ async def test_the_catalog_is_replaced_whole_so_its_readers_see_each_change(
     assert status == 200
     assert admin.cluster.models is not added
     assert "fresh" not in admin.cluster.models
+
+
+async def test_removing_a_node_again_is_not_found(admin: Admin) -> None:
+    """The second ``DELETE`` of a node no longer registered, its certificates
+    revoked already, is 404 ``node_not_found``, not "removed: 0
+    certificate(s) revoked"."""
+    now = 1000.0
+    await admin.store.insert_node_certificate(
+        NodeCertificate(serial="ab", node_id="gone", issued_at=now, not_after=now + 3600)
+    )
+    status, body = await admin.call("DELETE", "/api/v1/nodes/gone")
+    assert status == 200, body
+    assert body["revoked_certificates"] == 1
+    status, body = await admin.call("DELETE", "/api/v1/nodes/gone")
+    assert status == 404, body
+    assert body["error"]["code"] == "node_not_found"

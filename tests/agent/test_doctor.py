@@ -500,6 +500,33 @@ async def test_clock_behind_by_minutes_fails_and_in_step_is_ok(certs: Certs) -> 
         assert result.status == status, result
 
 
+async def test_clock_says_a_certificate_failure_not_operation_not_permitted(
+    certs: Certs,
+) -> None:
+    """An ssl.SSLError carries errno 1: it is told as the certificate's
+    failure, with the certificate's fix, not as "operation not permitted"."""
+    for server, ca, fix in (
+        (
+            _server_context(certs.misnamed_cert, certs.misnamed_key),
+            certs.ca,
+            "llmgw server --advertise 127.0.0.1",
+        ),
+        (_server_context(certs.server_cert, certs.server_key), certs.other_ca, "another cluster"),
+    ):
+        async with serving(time_answer(1000.0), server) as port:
+            with trio.fail_after(10):
+                result = await doctor.check_clock(
+                    ControlPlane("127.0.0.1", 7443, port), doctor.client_ssl_context(ca)
+                )
+        assert result.status == "fail"
+        assert "operation not permitted" not in result.found, result
+        assert result.found.startswith(
+            f"127.0.0.1:{port}: cannot ask its time: certificate refused ("
+        ), result
+        assert fix in result.fix, result
+        assert "make the join port reachable" not in result.fix
+
+
 async def test_clock_without_the_endpoint_or_a_time() -> None:
     context = doctor.client_ssl_context(None)
     async with serving(time_answer(None)) as port:

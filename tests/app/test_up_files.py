@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import attrs
 import pytest
 
 from llmgw.app.up_files import (
@@ -195,3 +196,24 @@ async def test_a_store_seeded_with_zero_prices_is_said_to_be_free(store: Store) 
     assert settings == ServerSettings()
     assert len(said) == 1
     assert said[0].startswith("prices are zero")
+
+
+def test_run_json_lists_the_join_port_when_there_is_one(tmp_path: Path) -> None:
+    import json
+
+    from llmgw.app.control_plane import Addresses
+    from llmgw.app.up_files import write_run_file
+
+    base = Addresses(
+        api="0.0.0.0:8080",
+        admin="127.0.0.1:9090",
+        metrics="0.0.0.0:9091",
+        agent_hub="0.0.0.0:7443",
+        agent_token="t",
+    )
+    write_run_file(tmp_path, base)
+    assert "join" not in json.loads((tmp_path / "run.json").read_text())  # llmgw up
+    write_run_file(tmp_path, attrs.evolve(base, join="0.0.0.0:7444"))
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["join"] == "0.0.0.0:7444"
+    assert doc["agent_hub"] == "0.0.0.0:7443"

@@ -112,8 +112,8 @@ def test_a_client_command_without_an_admin_token_says_where_it_looked(tmp_path: 
     result = CliRunner().invoke(cli, ["ctl", "models", "--data-dir", str(tmp_path)])
     assert result.exit_code == 1
     assert result.stderr == (
-        f"Error: no admin token at {tmp_path / 'admin-token'}: run 'llmgw up' first, "
-        "or pass --data-dir\n"
+        f"Error: no admin token at {tmp_path / 'admin-token'}: run 'llmgw up' or 'llmgw server' "
+        "first, or pass --data-dir\n"
     )
 
 

@@ -45,3 +45,31 @@ def test_server_refuses_a_bad_listen_address_and_a_bad_advertise(tmp_path: Path)
     assert bad_name.exit_code == 2
     assert "is not a host name or an address" in bad_name.output
     assert not (tmp_path / "llmgw.db").exists()
+
+
+def test_agent_on_a_state_directory_another_agent_holds_says_so_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """No "Exception Group Traceback": the error of a busy state directory
+    is raised after the ``except*``, as a plain ClickException."""
+    from llmgw.agent.state import StateDir
+
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    state = tmp_path / "state"
+    with StateDir(state).lock():
+        result = CliRunner().invoke(
+            cli,
+            [
+                "agent",
+                "--server",
+                "ws://127.0.0.1:1/agent",
+                "--token-file",
+                str(token),
+                "--state-dir",
+                str(state),
+            ],
+        )
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    assert f"Error: another llmgw agent is using the state directory {state}" in result.output

@@ -347,7 +347,7 @@ def test_gpu_fields_need_a_class() -> None:
 def test_new_cpu_model_states_memory() -> None:
     bare = _cpu(min_memory_gb=0.0)
     text = _problems(bare)
-    assert "must state its memory" in text
+    assert "must state its memory: min_memory_gb (--min-memory-gb on the command line)" in text
     with_figures = _problems(bare, facts=_facts(), new=True)
     assert "about 5.2 GB at 4,096 tokens" in with_figures
     validate_model(bare, new=False)

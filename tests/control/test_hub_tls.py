@@ -375,3 +375,91 @@ async def test_a_store_that_cannot_be_asked_refuses_the_link_for_now_and_the_hub
                 said = await _refusal(url, files, "node-b")
                 assert "cannot check this node's certificate now" in said
             nursery.cancel_scope.cancel()
+
+
+async def test_doctor_finds_a_revoked_certificate_refused_with_the_hub_s_reason(
+    setup: Setup,
+) -> None:
+    """The hub checks the certificate before it answers anything: a plain
+    ``GET /agent`` (doctor's) with a revoked certificate gets 403 and the
+    reason, not the 400 of a request that does not upgrade."""
+    from llmgw.agent import doctor
+
+    files = await setup.node("node-b")
+    good = await setup.node("node-c")
+    assert await setup.store.revoke_node_certificates("node-b", time.time()) == 1
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url = await setup.hub(nursery)
+            port = int(url.split(":")[2].split("/")[0])
+            cp = doctor.ControlPlane("127.0.0.1", port)
+            results = []
+            for tls in (files, good):
+                context = doctor.client_ssl_context(tls.ca, tls.cert, tls.key)
+                results.append(
+                    await doctor.check_reachable(
+                        cp, port, context, ca_file=tls.ca, client_cert=True
+                    )
+                )
+            nursery.cancel_scope.cancel()
+    revoked, accepted = results
+    assert revoked.status == "fail", revoked
+    assert "refused this node's certificate (HTTP/1.1 403 Forbidden: node 'node-b': " in (
+        revoked.found
+    )
+    assert "certificate revoked at" in revoked.found
+    assert accepted.status == "ok", accepted
+
+
+async def test_an_agent_whose_certificate_was_revoked_stops_its_engines_and_retries_slowly(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node removed while its agent was offline: when the agent comes back
+    the hub refuses its revoked certificate (403); the agent stops its
+    engines (they would hold their ports and memory for nothing), says so,
+    and asks again only at the back-off's maximum."""
+    files = await setup.node("node-b")
+    assert await setup.store.revoke_node_certificates("node-b", time.time()) == 1
+    stops: list[float] = []
+
+    async def stop_engines() -> int:
+        stops.append(trio.current_time())
+        return 2 if len(stops) == 1 else 0
+
+    async def register() -> protocol.Register:
+        return _register("node-b")
+
+    async def heartbeat() -> protocol.Heartbeat:
+        return protocol.Heartbeat(
+            node_id="node-b", memory_total_mb=1024, memory_available_mb=512, cpu_count=2
+        )
+
+    async def nothing(_: object) -> None:
+        return None
+
+    _, receive = trio.open_memory_channel[protocol.ShardStatus](1)
+    handlers = AgentHandlers(
+        register=register,
+        heartbeat=heartbeat,
+        start_shard=nothing,
+        stop_shard=nothing,
+        logs=lambda _source, _lines: [],
+        status_events=receive,
+        stop_engines=stop_engines,
+    )
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url = await setup.hub(nursery)
+            await nursery.start(
+                partial(serve_link, url, "", handlers, ssl_context=agent_ssl_context(files))
+            )
+            await trio.sleep(4)  # the old back-off asked again within 1 s, then 2 s
+            nursery.cancel_scope.cancel()
+    assert len(stops) == 1
+    said = [r.getMessage() for r in caplog.records if r.name == "llmgw.agent.link"]
+    assert any(
+        "certificate revoked at" in line
+        and "stopped its 2 engine(s); this node is not in the cluster" in line
+        and "trying again in 15 s" in line
+        for line in said
+    ), said

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import ssl
 from collections.abc import AsyncIterator
 from functools import partial
@@ -293,3 +294,36 @@ async def test_a_node_refuses_a_certificate_that_does_not_name_the_address_diall
     )
     assert str(refused.value).endswith("start it with --advertise 127.0.0.2")
     assert not (tmp_path / "node" / "agent.yaml").exists()
+
+
+async def test_the_join_port_s_log_lists_the_addresses_codes_carry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As ``HOST:PORT, HOST:PORT``, not a Python tuple."""
+    caplog.set_level(logging.INFO, logger="llmgw.control")
+    async with open_sqlite_store(tmp_path / "s.db") as store:
+        ca = ClusterCA.load_or_create(tmp_path / "ca", [])
+        service = JoinService(ca, store, Cluster(), servers=["wss://127.0.0.1:7443/agent"])
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(serve_join, "127.0.0.1", 0, service)
+            nursery.cancel_scope.cancel()
+    said = [r.getMessage() for r in caplog.records]
+    assert f"join port on 127.0.0.1:{bound} (codes carry 127.0.0.1:{bound})" in said, said
+    issued = [line for line in said if line.startswith("issued the control plane's certificate")]
+    assert issued, said
+    assert issued[0].startswith("issued the control plane's certificate (there was none) for ")
+
+
+async def test_a_control_plane_of_another_ca_is_refused_saying_what_to_do(
+    port: Port, tmp_path: Path
+) -> None:
+    made = await port.service.make_code(expires_s=60)
+    real = JoinCode.decode(made.code)
+    wrong = JoinCode(real.addresses, real.token, "sha256:" + "0" * 64)
+    with pytest.raises(JoinFailed) as refused:
+        await trio.to_thread.run_sync(partial(join_cluster, wrong, tmp_path / "node", node_id="n"))
+    said = str(refused.value)
+    assert f"but this code was made for sha256:{'0' * 64}" in said
+    assert said.endswith(
+        "run `llmgw node add` on the control plane this node should join and use the line it prints"
+    ), said

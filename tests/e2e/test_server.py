@@ -78,6 +78,7 @@ def test_server_runs_the_control_plane_alone_and_stops_on_sigterm(
 
     _wait(ready, 60, "the ready line")
     run = json.loads((data_dir / "run.json").read_text())
+    assert set(run) == {"pid", "api", "admin", "metrics", "agent_hub", "join"}
     assert (data_dir / "admin-token").stat().st_mode & 0o777 == 0o600
     assert (data_dir / "client-key").stat().st_mode & 0o777 == 0o600
     admin = {"authorization": f"Bearer {(data_dir / 'admin-token').read_text().strip()}"}

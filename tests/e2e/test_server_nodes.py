@@ -164,15 +164,40 @@ def test_a_node_links_over_mutual_tls_serves_and_is_removed(
     )
     assert answer.status_code == 200, answer.text
 
+    # The agent stops (its engine keeps running) and the node is removed
+    # while it is away: the next agent adopts the engine, is refused, and
+    # stops it.
+    agent.stop()
+    shards = node_dir / "agent" / "shards"
+    assert list(shards.iterdir()) != []
+
+    def disconnected() -> bool:
+        result = ctl("nodes", "--json")
+        found = [n for n in json.loads(result.stdout)["data"] if n["node_id"] == NODE]
+        return bool(found) and not found[0]["connected"]
+
+    _wait(disconnected, 30, f"{NODE} disconnected")
     removed = ctl("nodes", "remove", NODE)
     assert removed.returncode == 0, removed.stderr
     assert removed.stdout.startswith(f"node {NODE} removed: 1 certificate(s) revoked")
+    assert "its agent stops the engines it still runs when it next connects" in removed.stdout
+    agent = _Process(
+        [sys.executable, "-m", "llmgw.cli", "agent", "--config", str(node_dir / "agent.yaml")],
+        tmp_path / "agent-again.log",
+    )
+    started.append(agent)
     _wait(
         lambda: "certificate revoked at" in agent.log(),
         60,
         f"the agent told its certificate is revoked:\n{agent.log()}",
     )
     assert "the control plane refused this node" in agent.log()
+    _wait(
+        lambda: "stopped its 1 engine(s); this node is not in the cluster" in agent.log(),
+        60,
+        f"the agent stopped its engines:\n{agent.log()}",
+    )
+    assert list(shards.iterdir()) == []
     listed = json.loads(ctl("nodes", "--json").stdout)["data"]
     assert [n["node_id"] for n in listed] == []
     unknown = ctl("nodes", "remove", NODE + "-x")

@@ -456,35 +456,56 @@ async def _certificate_refusal(
 
     With TLS 1.3 a server's verdict on the client's certificate comes after
     the client's handshake ends, so one plain ``GET /agent`` is sent and the
-    first answer read within ``timeout_s``. The hub answers a request that
-    does not upgrade (400); a TLS alert, a 401/403, or a close without any
-    answer is a refusal; no answer in time is not. Closes ``tls``.
+    first answer read within ``timeout_s``. The hub checks the certificate
+    first: one it refuses gets 403 with the reason as the body (returned
+    after the status line); one it accepts gets 400 (no upgrade). A TLS
+    alert, a 401/403, or a close without any answer is a refusal; no answer
+    in time is not. Closes ``tls``.
     """
     request = f"GET /agent HTTP/1.1\r\nHost: {cp.host}\r\nConnection: close\r\n\r\n"
+    refused = ""
+    answer = b""
     try:
         with trio.move_on_after(timeout_s):
             await tls.send_all(request.encode())
-            head = await tls.receive_some(64)
-            if not head:
+            answer = bytes(await tls.receive_some(4096))
+            if not answer:
                 return "it closed the connection without answering"
-            status = head.split(b"\r\n", 1)[0]
-            if status.split(b" ")[1:2] in ([b"401"], [b"403"]):
-                return status.decode(errors="replace")
+            status = answer.split(b"\r\n", 1)[0]
+            if status.split(b" ")[1:2] not in ([b"401"], [b"403"]):
+                return ""
+            refused = status.decode(errors="replace")
+            # The hub's 403 says why in its body ("certificate revoked at …"),
+            # then closes.
+            while len(answer) < 8192:
+                more = await tls.receive_some(4096)
+                if not more:
+                    break
+                answer += more
     except (trio.BrokenResourceError, ssl.SSLError, OSError) as exc:
-        cause: BaseException = exc
-        while not isinstance(cause, ssl.SSLError) and cause.__cause__ is not None:
-            cause = cause.__cause__
-        if isinstance(cause, ssl.SSLError):
-            return cause.reason or errors.describe(cause)
-        return f"it closed the connection without answering: {errors.describe(cause)}"
+        if refused:
+            pass  # the answer came; a close without close_notify after it is fine
+        else:
+            cause: BaseException = exc
+            while not isinstance(cause, ssl.SSLError) and cause.__cause__ is not None:
+                cause = cause.__cause__
+            if isinstance(cause, ssl.SSLError):
+                return cause.reason or errors.describe(cause)
+            return f"it closed the connection without answering: {errors.describe(cause)}"
     finally:
         await trio.aclose_forcefully(tls)
-    return ""
+    if not refused:
+        return ""
+    body = answer.partition(b"\r\n\r\n")[2].decode(errors="replace").strip()
+    return f"{refused}: {body}" if body else refused
 
 
 def _connect_error(exc: BaseException) -> str:
     """What a failed connect says: the first attempt's reason (``connection
     refused``), not trio's "all attempts … failed"."""
+    tls = _ssl_cause(exc)
+    if tls is not None:
+        return _ssl_text(tls)
     reason: BaseException | None = exc
     seen = 0
     while reason is not None and seen < 16:
@@ -503,27 +524,58 @@ def _connect_error(exc: BaseException) -> str:
     return errors.describe(exc)
 
 
+def _ssl_cause(exc: BaseException) -> ssl.SSLError | None:
+    """The :class:`ssl.SSLError` in ``exc``'s causes (httpx and httpcore wrap
+    it), or ``None``. Looked for before any plain OSError: an SSLError is one
+    too, with errno 1, which would read "operation not permitted"."""
+    reason: BaseException | None = exc
+    seen = 0
+    while reason is not None and seen < 16:
+        if isinstance(reason, ssl.SSLError):
+            return reason
+        cause = reason.__cause__
+        if cause is None and not reason.__suppress_context__:
+            cause = reason.__context__
+        if cause is None and reason.args and isinstance(reason.args[0], BaseException):
+            cause = reason.args[0]
+        if isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+            cause = cause.exceptions[0]
+        reason, seen = cause, seen + 1
+    return None
+
+
+def _ssl_text(cause: ssl.SSLError) -> str:
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return f"certificate refused ({cause.verify_message})"
+    return f"the TLS handshake failed ({cause.reason or errors.describe(cause)})"
+
+
+def _ssl_fix(cp: ControlPlane, cause: ssl.SSLCertVerificationError) -> str:
+    """What to do about the control plane's certificate failing to verify."""
+    code = cause.verify_code
+    if code in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+        return (
+            f"the control plane's certificate does not name {cp.host}: start "
+            f"`llmgw server --advertise {cp.host}` (it re-issues its certificate), "
+            "or use an address it names"
+        )
+    if code in (9, 10):  # not yet valid, expired
+        return "check the clocks here and on the control plane"
+    return (
+        "the control plane's certificate is not from this node's cluster CA (another "
+        "cluster's?): join again with a fresh code (`llmgw node add` on the control plane)"
+    )
+
+
 def _tls_failure(cp: ControlPlane, where: str, address: str, exc: BaseException) -> CheckResult:
     cause: BaseException = exc
     while not isinstance(cause, ssl.SSLError) and cause.__cause__ is not None:
         cause = cause.__cause__
     if isinstance(cause, ssl.SSLCertVerificationError):
-        code = cause.verify_code
-        text = f"{where}: certificate refused ({cause.verify_message})"
-        if code in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
-            fix = (
-                f"the control plane's certificate does not name {cp.host}: start "
-                f"`llmgw server --advertise {cp.host}` (it re-issues its certificate), "
-                "or use an address it names"
-            )
-        elif code in (9, 10):  # not yet valid, expired
-            fix = "check the clocks here and on the control plane (see the clock line)"
-        else:
-            fix = (
-                "the control plane's certificate is not from this node's cluster CA: "
-                "join again with a fresh code (`llmgw node add` on the control plane)"
-            )
-        return CheckResult("reach", "fail", text, fix)
+        fix = _ssl_fix(cp, cause)
+        if cause.verify_code in (9, 10):
+            fix += " (see the clock line)"
+        return CheckResult("reach", "fail", f"{where}: {_ssl_text(cause)}", fix)
     return CheckResult(
         "reach",
         "fail",
@@ -583,8 +635,17 @@ async def check_clock(
             "clock", "fail", f"{address}: no answer within {timeout_s:g} s", unreachable
         )
     except httpx.HTTPError as exc:
+        tls = _ssl_cause(exc)
+        if isinstance(tls, ssl.SSLCertVerificationError):
+            fix = _ssl_fix(cp, tls)
+        elif tls is not None:
+            fix = (
+                f"something other than llmgw's TLS answers on {address}: check the address and port"
+            )
+        else:
+            fix = unreachable
         return CheckResult(
-            "clock", "fail", f"{address}: cannot ask its time: {_connect_error(exc)}", unreachable
+            "clock", "fail", f"{address}: cannot ask its time: {_connect_error(exc)}", fix
         )
     if response.status_code == 404:
         return CheckResult(

@@ -38,6 +38,7 @@ from cryptography.x509.oid import NameOID
 from llmgw import errors
 
 from .joincode import JoinCode, host_port
+from .state import StateDir
 
 __all__ = [
     "AGENT_FILE",
@@ -117,6 +118,19 @@ def join_cluster(
             f"{data_dir} already holds a node that joined ({config_path}): start it with "
             f"`llmgw agent --config {config_path}`, or join again with --force"
         )
+    state_dir = _state_dir(config_path)
+    try:
+        busy = StateDir(state_dir).busy()
+    except OSError as exc:
+        raise JoinFailed(f"cannot check the agent's lock in {state_dir}: {exc}") from exc
+    if busy:
+        # Checked before the code is sent: a code used while the old agent
+        # holds the node's state would be spent for nothing.
+        raise JoinFailed(
+            f"an llmgw agent is running on {data_dir} (it holds the lock in {state_dir}): "
+            "stop it first (`systemctl stop llmgw-agent`, or Ctrl-C where it runs), then "
+            "join again; the join code was not used"
+        )
     target, ca_pem = _find_control_plane(code, say)
     key = ec.generate_private_key(ec.SECP256R1())
     csr = (
@@ -172,6 +186,21 @@ def join_cluster(
     )
 
 
+def _state_dir(config_path: Path) -> Path:
+    """The agent's state directory for ``config_path``: its ``state_dir``
+    when the file is there and names one, else ``agent/`` beside it."""
+    folder = config_path.parent
+    try:
+        doc = yaml.safe_load(config_path.read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        doc = None
+    named = doc.get("state_dir") if isinstance(doc, dict) else None
+    if isinstance(named, str) and named:
+        path = Path(named)
+        return path if path.is_absolute() else folder / path
+    return folder / "agent"
+
+
 def ca_fingerprint(ca_pem: bytes) -> str:
     """``"sha256:"`` + the hex SHA-256 of the DER of the certificate in ``ca_pem``.
 
@@ -215,13 +244,18 @@ def _find_control_plane(code: JoinCode, say: Callable[[str], None]) -> tuple[str
         if found != code.fingerprint:
             mismatch = (
                 f"the control plane at {target} has CA {found} but this code was made for "
-                f"{code.fingerprint}: it is not the control plane that made the code"
+                f"{code.fingerprint}: it is not the control plane that made the code "
+                "(another cluster's, or another machine answers at that address); run "
+                "`llmgw node add` on the control plane this node should join and use the "
+                "line it prints"
             )
             tried.append(f"{target} (another CA)")
             continue
         return target, ca_pem
     if mismatch:
-        raise JoinFailed(mismatch + (f" (tried {', '.join(tried)})" if len(tried) > 1 else ""))
+        tried_all = f" (tried {', '.join(tried)})" if len(tried) > 1 else ""
+        head, _, advice = mismatch.partition("; run ")
+        raise JoinFailed(f"{head}{tried_all}; run {advice}")
     raise JoinFailed(
         "cannot reach the control plane at any address of the code: "
         + ", ".join(tried)

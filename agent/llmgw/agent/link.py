@@ -13,6 +13,12 @@ When the link fails (the keepalive notices a dead peer in about 8 s) the
 agent reconnects with exponential back-off and jitter (0.5 s doubling to
 15 s), reset once a session has been accepted by its control plane.
 
+When the control plane refuses this node's certificate for good
+(:class:`~llmgw.agent.session.CertificateRefused`: revoked by ``ctl nodes
+remove``, or not issued by this cluster) the agent stops every engine it
+runs (``stop_engines``), logs it, and keeps trying only every 15 s (the
+back-off's maximum): the node is back only by joining again.
+
 The agent knows every control plane it may link to (:class:`ServerList`):
 those it was given (agent.yaml's ``servers``, ``--server``) and those the
 leader sent (``ControlPlanes``, kept in ``STATE_DIR/control-planes.json``
@@ -157,6 +163,9 @@ class AgentHandlers:
             control plane while a session is up (dropped while it is down:
             the next ``Register`` carries the whole state).
         on_registered: called once per session when the control plane accepts.
+        stop_engines: stops every engine of this node and says how many it
+            stopped; called when the control plane refused this node's
+            certificate for good (the node was removed: revoked).
     """
 
     register: Callable[[], Awaitable[Register]]
@@ -166,6 +175,7 @@ class AgentHandlers:
     logs: Callable[[str, int], list[str]]
     status_events: trio.MemoryReceiveChannel[ShardStatus]
     on_registered: Callable[[Registered], None] = lambda _: None
+    stop_engines: Callable[[], Awaitable[int]] | None = None
 
 
 async def serve_link(
@@ -236,7 +246,20 @@ async def serve_link(
             continue
         delay_s = backoff_s * random.uniform(0.5, 1.0)
         backoff_s = min(backoff_s * 2, BACKOFF_MAX_S)
-        if isinstance(cause, session.PeerRefused):
+        if isinstance(cause, session.CertificateRefused):
+            # Revoked (the node was removed), or unknown to the cluster: the
+            # engines would hold their ports and memory for nothing.
+            delay_s = BACKOFF_MAX_S
+            stopped = await handlers.stop_engines() if handlers.stop_engines else 0
+            log.error(
+                "%s (at %s); %sthis node is not in the cluster: join it again with a new "
+                "code ('llmgw node add' on the control plane); trying again in %.0f s",
+                _describe(cause),
+                url,
+                f"stopped its {stopped} engine(s); " if stopped else "",
+                delay_s,
+            )
+        elif isinstance(cause, session.PeerRefused):
             log.error("%s (at %s); trying again in %.1f s", _describe(cause), url, delay_s)
         elif isinstance(cause, session.PeerStopping):
             peer_stopped = True

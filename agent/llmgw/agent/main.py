@@ -217,6 +217,12 @@ async def serve_agent(
     def on_registered(_: protocol.Registered) -> None:
         telemetry.registered.set()
 
+    async def stop_engines() -> int:
+        count = len(supervisor.running())
+        if count:
+            await supervisor.stop_all()
+        return count
+
     handlers = AgentHandlers(
         register=register,
         heartbeat=heartbeat,
@@ -225,6 +231,7 @@ async def serve_agent(
         logs=logs,
         status_events=receive,
         on_registered=on_registered,
+        stop_engines=stop_engines,
     )
     log.info("agent %s: state in %s", node_id, state_dir)
     async with trio.open_nursery() as nursery:

@@ -11,9 +11,12 @@ Handshake
     TLS: the agent presents its node certificate and checks the control
     plane's against the cluster CA; the control plane admits a certificate
     its CA signed only when it issued it and has not revoked it, and takes
-    the node id from it (its ``admit``). A certificate it refuses gets
-    :data:`POLICY_VIOLATION` with the reason ("certificate revoked at …"),
-    which the agent raises as :class:`PeerRefused`; one its CA did not sign
+    the node id from it (its ``admit``) before it answers anything. A
+    certificate it refuses gets HTTP 403 with the reason as the body
+    ("certificate revoked at …"), whatever the request (a plain ``GET``
+    too), which the agent raises as :class:`CertificateRefused`; one it
+    cannot check now (its store does not answer) gets 503 and the agent
+    :class:`PeerRefused`, trying again later; one its CA did not sign
     fails the TLS handshake, which the agent reports as "the control plane
     refused this node's certificate". On one machine (``llmgw up``) the link
     is ``ws://`` on loopback with the agent token in ``Authorization:
@@ -77,6 +80,8 @@ __all__ = [
     "PROTOCOL_ERROR",
     "REGISTER_TIMEOUT_S",
     "Admit",
+    "CertificateRefused",
+    "CertificateUnchecked",
     "Link",
     "PeerRefused",
     "PeerStopping",
@@ -129,6 +134,21 @@ class PeerRefused(errors.LinkClosed):
     node's certificate."""
 
 
+class CertificateRefused(PeerRefused):
+    """The control plane refused this node's certificate for good (HTTP 403
+    before the websocket handshake): revoked (the node was removed), not
+    issued by this cluster, or naming another node. Joining again is the
+    only way back."""
+
+
+class CertificateUnchecked(errors.Refused):
+    """The control plane could not check a certificate now (its store did not
+    answer): the agent is answered HTTP 503 and tries again later."""
+
+
+#: The most bytes of a refused connection's request head read before answering.
+_MAX_REQUEST_HEAD_BYTES: Final = 16384
+
 #: The control plane's check of an agent's certificate (DER bytes): the
 #: node id it names, or :class:`llmgw.errors.Refused` saying why not.
 Admit = Callable[[bytes], Awaitable[str]]
@@ -166,6 +186,10 @@ def _closed(exc: BaseException, peer: str) -> errors.LinkClosed:
             return PeerRefused(f"the control plane refused this node: {reason.reason}")
         return errors.LinkClosed(f"closed ({reason})")
     if isinstance(exc, trio_websocket.ConnectionRejected):
+        body = (exc.body or b"").decode(errors="replace").strip()
+        if peer == "control plane" and exc.status_code in (403, 503) and body:
+            refused = CertificateRefused if exc.status_code == 403 else PeerRefused
+            return refused(f"the control plane refused this node: {body}")
         return errors.LinkClosed(f"rejected with HTTP {exc.status_code}")
     if isinstance(exc, trio_websocket.ConnectionTimeout):
         return errors.LinkClosed(f"no websocket handshake within {CONNECT_TIMEOUT_S:g} s")
@@ -453,68 +477,74 @@ async def _open_tls(
     host_header = parts.netloc.rsplit("@", 1)[-1]
     failure: BaseException | None = None
     body_error: BaseException | None = None
-    async with trio.open_nursery() as nursery:
-        ws: trio_websocket.WebSocketConnection | None = None
-        watched: _WatchedStream | None = None
-        with trio.move_on_after(CONNECT_TIMEOUT_S) as waited:
-            try:
-                stream = await trio.open_ssl_over_tcp_stream(
-                    parts.hostname, port, ssl_context=ssl_context, https_compatible=True
-                )
-            except OSError as exc:
-                failure = exc
+    try:
+        async with trio.open_nursery() as nursery:
+            ws: trio_websocket.WebSocketConnection | None = None
+            watched: _WatchedStream | None = None
+            with trio.move_on_after(CONNECT_TIMEOUT_S) as waited:
+                try:
+                    stream = await trio.open_ssl_over_tcp_stream(
+                        parts.hostname, port, ssl_context=ssl_context, https_compatible=True
+                    )
+                except OSError as exc:
+                    failure = exc
+                else:
+                    try:
+                        await stream.do_handshake()
+                    except trio.BrokenResourceError as exc:
+                        await trio.aclose_forcefully(stream)
+                        failure = exc
+                    except BaseException:
+                        # Out of time (or cancelled): the socket is closed here too.
+                        await trio.aclose_forcefully(stream)
+                        raise
+                    else:
+                        watched = _WatchedStream(stream)
+                        async with trio.open_nursery() as racing:
+
+                            async def open_ws(watched: _WatchedStream) -> None:
+                                nonlocal ws
+                                ws = await trio_websocket.wrap_client_stream(
+                                    nursery,
+                                    cast(trio.SSLStream[trio.SocketStream], watched),
+                                    host_header,
+                                    resource,
+                                    extra_headers=headers,
+                                    max_message_size=protocol.MAX_FRAME_BYTES,
+                                )
+                                racing.cancel_scope.cancel()
+
+                            async def watch(watched: _WatchedStream) -> None:
+                                await watched.broke.wait()
+                                racing.cancel_scope.cancel()
+
+                            racing.start_soon(open_ws, watched)
+                            racing.start_soon(watch, watched)
+            if ws is None:
+                nursery.cancel_scope.cancel()
+                if failure is None and watched is not None:
+                    failure = watched.failure
+                if failure is None:
+                    failure = (
+                        trio_websocket.ConnectionTimeout()
+                        if waited.cancelled_caught
+                        else trio.BrokenResourceError("the control plane closed the link")
+                    )
             else:
                 try:
-                    await stream.do_handshake()
-                except trio.BrokenResourceError as exc:
-                    await trio.aclose_forcefully(stream)
-                    failure = exc
-                except BaseException:
-                    # Out of time (or cancelled): the socket is closed here too.
-                    await trio.aclose_forcefully(stream)
-                    raise
-                else:
-                    watched = _WatchedStream(stream)
-                    async with trio.open_nursery() as racing:
-
-                        async def open_ws(watched: _WatchedStream) -> None:
-                            nonlocal ws
-                            ws = await trio_websocket.wrap_client_stream(
-                                nursery,
-                                cast(trio.SSLStream[trio.SocketStream], watched),
-                                host_header,
-                                resource,
-                                extra_headers=headers,
-                                max_message_size=protocol.MAX_FRAME_BYTES,
-                            )
-                            racing.cancel_scope.cancel()
-
-                        async def watch(watched: _WatchedStream) -> None:
-                            await watched.broke.wait()
-                            racing.cancel_scope.cancel()
-
-                        racing.start_soon(open_ws, watched)
-                        racing.start_soon(watch, watched)
-        if ws is None:
-            nursery.cancel_scope.cancel()
-            if failure is None and watched is not None:
-                failure = watched.failure
-            if failure is None:
-                failure = (
-                    trio_websocket.ConnectionTimeout()
-                    if waited.cancelled_caught
-                    else trio.BrokenResourceError("the control plane closed the link")
-                )
-        else:
-            try:
-                yield ws
-            except BaseException as exc:
-                # Raised again outside the nursery, not in a group.
-                body_error = exc
-            finally:
-                with trio.CancelScope(shield=True), trio.move_on_after(DISCONNECT_TIMEOUT_S):
-                    await ws.aclose()
-                nursery.cancel_scope.cancel()
+                    yield ws
+                except BaseException as exc:
+                    # Raised again outside the nursery, not in a group.
+                    body_error = exc
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                        await ws.aclose()
+                    nursery.cancel_scope.cancel()
+    except* trio_websocket.ConnectionRejected as group:
+        # The control plane answered the websocket handshake with an HTTP
+        # status (403: this node's certificate refused), raised by
+        # trio-websocket's reader in the nursery.
+        failure = first_leaf(group)
     if body_error is not None:
         raise body_error
     if failure is not None:
@@ -645,9 +675,15 @@ async def _serve_tls_one(
         except errors.LlmgwError as exc:
             # The store cannot be asked now (a StoreError): the agent retries.
             log.warning("agent link from %s: certificate not checked: %s", peer, exc)
-            refusal = errors.Refused(
+            refusal = CertificateUnchecked(
                 "the control plane cannot check this node's certificate now; trying again later"
             )
+    if refusal is not None:
+        try:
+            await _refuse_http(stream, refusal, peer)
+        finally:
+            await trio.aclose_forcefully(stream)
+        return
     try:
         async with trio.open_nursery() as nursery:
             try:
@@ -668,6 +704,37 @@ async def _serve_tls_one(
     finally:
         # Its socket is closed here, not left to the garbage collector.
         await trio.aclose_forcefully(stream)
+
+
+async def _refuse_http(
+    stream: trio.SSLStream[trio.SocketStream], refusal: errors.LlmgwError, peer: str
+) -> None:
+    """Answer a connection whose certificate was refused, before any
+    websocket handshake and whatever it asks (a plain ``GET`` too): HTTP 403
+    with the reason as the body, or 503 when the certificate could not be
+    checked now (:class:`CertificateUnchecked`)."""
+    log.warning("agent link from %s refused: %s", peer, refusal)
+    unchecked = isinstance(refusal, CertificateUnchecked)
+    status = "503 Service Unavailable" if unchecked else "403 Forbidden"
+    body = f"{refusal}\n".encode()
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode()
+    with trio.move_on_after(CONNECT_TIMEOUT_S):
+        try:
+            # The request's head is read first: a socket closed with unread
+            # data resets, and the client might lose the answer.
+            received = b""
+            while b"\r\n\r\n" not in received and len(received) < _MAX_REQUEST_HEAD_BYTES:
+                data = await stream.receive_some(4096)
+                if not data:
+                    return
+                received += data
+            await stream.send_all(head + body)
+            await stream.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
 
 def _token_of(request: trio_websocket.WebSocketRequest) -> str:

@@ -179,6 +179,25 @@ class StateDir:
         finally:
             os.close(fd)
 
+    def busy(self) -> bool:
+        """Whether an agent holds the directory's lock now (``False`` when
+        there is no lock file); makes nothing.
+
+        Raises:
+            OSError: the lock file exists but cannot be opened.
+        """
+        try:
+            fd = os.open(self.root / _LOCK_FILE, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # drops the lock too when it was taken
+        return False
+
     def shard_path(self, shard_id: str) -> Path:
         return self.shards_dir / f"{_file_stem(shard_id)}.json"
 
