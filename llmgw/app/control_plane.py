@@ -31,6 +31,7 @@ from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, AdminTokenFile
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.ca import ClusterCA, server_names
+from llmgw.control.ca_store import sync_cluster_ca
 from llmgw.control.cluster import Cluster
 from llmgw.control.hub import HubTLS, serve_agent_hub
 from llmgw.control.join import JoinService, hub_urls, reachable_hosts, serve_join
@@ -182,7 +183,7 @@ async def serve_control_plane(
     # The admin API opens to the token in DATA_DIR/admin-token only (no data
     # directory: to nothing).
     admin_token = AdminTokenFile(data_dir / ADMIN_TOKEN_FILE if data_dir is not None else None)
-    join = _join_service(config, store, cluster, data_dir)
+    join = await _join_service(config, store, cluster, data_dir)
     admin = make_admin_app(
         store, cluster, admin_token, keys_service, live=live, data_dir=data_dir, join=join
     )
@@ -253,11 +254,12 @@ async def serve_control_plane(
         journal.close()
 
 
-def _join_service(
+async def _join_service(
     config: ServerConfig, store: Store, cluster: Cluster, data_dir: Path | None
 ) -> JoinService | None:
     """The join service when ``config`` has a join port, over the cluster CA
-    in ``DATA_DIR/ca`` (made on the first start).
+    kept in the store and copied to ``DATA_DIR/ca`` (made on the first start;
+    every control plane of one store serves the same CA, :mod:`llmgw.control.ca_store`).
 
     Raises:
         StartupError: a join port without a data directory, or a CA that
@@ -269,6 +271,7 @@ def _join_service(
         raise StartupError(
             "a join port needs a data directory: the cluster CA lives in DATA_DIR/ca"
         )
+    await sync_cluster_ca(store, data_dir / "ca")
     ca = ClusterCA.load_or_create(data_dir / "ca", server_names(config.advertise))
     return JoinService(ca, store, cluster, servers=())
 
