@@ -27,6 +27,7 @@ from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.admin.app import make_admin_app
 from llmgw.admin.keys import KeysService
+from llmgw.agent.joincode import join_address as join_address_of
 from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, AdminTokenFile
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
@@ -35,10 +36,12 @@ from llmgw.control.ca_store import sync_cluster_ca
 from llmgw.control.cluster import Cluster
 from llmgw.control.hub import HubTLS, serve_agent_hub
 from llmgw.control.join import JoinService, hub_urls, reachable_hosts, serve_join
+from llmgw.control.leader_record import LeaderView, serve_leader_view
 from llmgw.control.live import LiveSettings, serve_settings
 from llmgw.control.reconciler import PortRange
 from llmgw.errors import StartupError, StoreError
 from llmgw.gateway.app import Gateway
+from llmgw.gateway.forward import LeaderForward
 from llmgw.gateway.server import serve_http1
 from llmgw.router.engine_metrics import serve_engine_metrics
 from llmgw.settings import ServerSettings
@@ -164,12 +167,16 @@ async def serve_control_plane(
         else:
             log.info("usage journal replayed into the store")
     await restore_budgets(store, accountant)
+    holder = lease_holder()
+    leader_view = LeaderView(holder)
+    forward = LeaderForward(leader_view.leader_api)
     gateway = Gateway(
         authenticator=authenticator,
         cluster=cluster,
         usage=usage,
         accountant=accountant,
         resolver=resolver,
+        forward=forward,
     )
     keys_service = KeysService(
         store,
@@ -188,7 +195,6 @@ async def serve_control_plane(
         store, cluster, admin_token, keys_service, live=live, data_dir=data_dir, join=join
     )
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
-    holder = lease_holder()
 
     async with trio.open_nursery() as services:
         # Every control plane keeps its settings live, leader or not; the
@@ -211,7 +217,15 @@ async def serve_control_plane(
         hub_host, hub_port = split_address(config.agent_listen)
         hub_tls = _hub_tls(join, store, hub_host, config.advertise)
         bound_hub_port = await services.start(
-            partial(serve_agent_hub, hub_host, hub_port, agent_token, cluster, tls=hub_tls)
+            partial(
+                serve_agent_hub,
+                hub_host,
+                hub_port,
+                agent_token,
+                cluster,
+                tls=hub_tls,
+                standby_hint=leader_view.hint,
+            )
         )
         join_address = ""
         if join is not None and config.join_listen is not None:
@@ -221,7 +235,10 @@ async def serve_control_plane(
                 partial(serve_join, join_host, join_port, join, advertise=config.advertise)
             )
             join_address = f"{join_host}:{bound_join_port}"
-        await services.start(serve_leadership, store, cluster, holder, config.engine_ports)
+        await services.start(serve_leader_view, store, cluster, leader_view)
+        await services.start(
+            partial(serve_leadership, store, cluster, holder, config.engine_ports, view=leader_view)
+        )
         # The replicas' KV-cache usage, for the long-context routing profile.
         await services.start(serve_engine_metrics, cluster)
         async with trio.open_nursery() as listeners:
@@ -229,6 +246,13 @@ async def serve_control_plane(
             admin_address = await listeners.start(serve_asgi, admin, config.admin_listen, stop, 2.0)
             metrics_address = await listeners.start(
                 serve_asgi, metrics_app, config.metrics_listen, stop, 2.0
+            )
+            api_host, api_port = split_address(api)
+            leader_view.set_own(
+                join_address_of(reachable_hosts(api_host, config.advertise)[0], api_port),
+                tuple(hub_urls(reachable_hosts(hub_host, config.advertise), bound_hub_port))
+                if hub_tls is not None
+                else (),
             )
             task_status.started(
                 Addresses(

@@ -375,3 +375,63 @@ async def test_a_store_that_cannot_be_asked_refuses_the_link_for_now_and_the_hub
                 said = await _refusal(url, files, "node-b")
                 assert "cannot check this node's certificate now" in said
             nursery.cancel_scope.cancel()
+
+
+async def test_a_standby_refuses_the_agent_naming_the_leader_and_the_agent_fails_over(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two control planes of one store: the agent, refused by the standby,
+    links to the leader at once; when the leader goes and the standby
+    leads, the agent links to it."""
+    caplog.set_level(logging.INFO)
+    files = await setup.node("node-b")
+    leader, standby = Cluster(), Cluster()
+    leader.set_leader(True)
+    tls = HubTLS(context=setup.ca.server_ssl_context(client_certs=True), store=setup.store)
+    registered: list[trio.Event] = [trio.Event(), trio.Event()]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port_s = await nursery.start(
+                partial(
+                    serve_agent_hub,
+                    "127.0.0.1",
+                    0,
+                    "",
+                    standby,
+                    tls=tls,
+                    standby_hint=lambda: "the leader is at wss://leader.example:7443/agent",
+                )
+            )
+            leader_scope = trio.CancelScope()
+
+            async def leader_hub(*, task_status: trio.TaskStatus[int]) -> None:
+                with leader_scope:
+                    await serve_agent_hub(
+                        "127.0.0.1",
+                        0,
+                        "",
+                        leader,
+                        tls=tls,
+                        standby_hint=lambda: "",
+                        task_status=task_status,
+                    )
+
+            port_l = await nursery.start(leader_hub)
+            standby_url = f"wss://127.0.0.1:{port_s}/agent"
+            servers = ServerList([standby_url, f"wss://127.0.0.1:{port_l}/agent"])
+            handlers = _handlers("node-b", registered[0])
+            handlers.on_registered = lambda _: next(e for e in registered if not e.is_set()).set()
+            nursery.start_soon(
+                partial(serve_link, servers, "", handlers, ssl_context=agent_ssl_context(files))
+            )
+            await registered[0].wait()
+            assert leader.nodes["node-b"].connected
+            assert "node-b" not in standby.nodes
+            said = [r.getMessage() for r in caplog.records if "standby" in r.getMessage()]
+            assert any("wss://leader.example:7443/agent" in m for m in said), said
+            # The leader goes away; the standby leads.
+            leader_scope.cancel()
+            standby.set_leader(True)
+            await registered[1].wait()
+            assert standby.nodes["node-b"].connected
+            nursery.cancel_scope.cancel()
