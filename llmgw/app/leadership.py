@@ -35,6 +35,10 @@ LEASE_NAME: Final = "leader"
 #: How long a taken or renewed lease holds, in seconds; it is renewed every
 #: third of that.
 LEASE_TTL_S: Final = 10.0
+#: How often a standby tries to take the lease, in seconds (a conditional
+#: update that changes nothing while the lease is held): a released lease
+#: is taken within this, an expired one within this after its expiry.
+STANDBY_POLL_S: Final = 1.0
 #: A leader stops its leader-only work this long before its lease expires
 #: by its own clock, when it could not renew it, in seconds.
 EXPIRY_MARGIN_S: Final = 0.5
@@ -82,7 +86,8 @@ async def serve_leadership(
     ``/leader`` answers.
 
     Started once the first attempt to take the lease is over (taken or not).
-    The lease is taken and renewed every third of ``ttl_s``:
+    The lease is renewed every third of ``ttl_s``; a standby tries to take
+    it every :data:`STANDBY_POLL_S` (a third of ``ttl_s`` when shorter):
 
     - a store that cannot be reached is retried every second; once it
       answers again a control plane that was not leading waits one round
@@ -148,7 +153,7 @@ async def serve_leadership(
             cluster.set_leader(False)
             led_last = False
             ready()
-            await trio.sleep(ttl_s / 3)
+            await trio.sleep(min(STANDBY_POLL_S, ttl_s / 3))
             continue
         waiting_said = False
         log.info("leading (lease epoch %d)", lease.epoch)
