@@ -34,7 +34,7 @@ from llmgw.auth.tree import ScopeResolver
 from llmgw.control.ca import ClusterCA, server_names
 from llmgw.control.ca_store import sync_cluster_ca
 from llmgw.control.cluster import Cluster
-from llmgw.control.hub import HubTLS, serve_agent_hub
+from llmgw.control.hub import HubTLS, serve_agent_hub, serve_standby_links
 from llmgw.control.join import JoinService, hub_urls, reachable_hosts, serve_join
 from llmgw.control.leader_record import LeaderView, serve_leader_view
 from llmgw.control.live import LiveSettings, serve_settings
@@ -236,6 +236,8 @@ async def serve_control_plane(
             )
             join_address = f"{join_host}:{bound_join_port}"
         await services.start(serve_leader_view, store, cluster, leader_view)
+        if hub_tls is not None:
+            await services.start(serve_standby_links, cluster)
         await services.start(
             partial(serve_leadership, store, cluster, holder, config.engine_ports, view=leader_view)
         )

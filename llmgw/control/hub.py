@@ -36,7 +36,7 @@ from llmgw.store import Store
 from .cluster import Cluster
 from .join import hub_urls
 
-__all__ = ["HubTLS", "admit_certificate", "serve_agent_hub"]
+__all__ = ["HubTLS", "admit_certificate", "serve_agent_hub", "serve_standby_links"]
 
 log = logging.getLogger("llmgw.control.hub")
 
@@ -259,3 +259,38 @@ def _dispatch(cluster: Cluster, node_id: str, message: protocol.Message) -> None
             log.warning(
                 "node %s sent %s, which is not for a control plane", node_id, type(message).__name__
             )
+
+
+#: How often :func:`serve_standby_links` looks at the leadership, in seconds.
+LEADERSHIP_POLL_S = 0.5
+
+
+async def serve_standby_links(
+    cluster: Cluster, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> NoReturn:
+    """Close every agent's link when this control plane stops leading (its
+    lease lost or not renewed in time), as a standby's refusal
+    (:data:`~llmgw.agent.session.STANDBY_REASON`), so that agents move on to
+    the new leader at once instead of staying linked to a control plane that
+    no longer runs them."""
+    task_status.started()
+    was_leader = cluster.is_leader
+    while True:
+        await trio.sleep(LEADERSHIP_POLL_S)
+        leading = cluster.is_leader
+        if was_leader and not leading:
+            nodes = [n for n in cluster.nodes.values() if n.connected and n.close is not None]
+            if nodes:
+                log.warning(
+                    "no longer leading: closing the links of %d agent(s) so they find the leader",
+                    len(nodes),
+                )
+            for node in nodes:
+                if node.close is not None:
+                    try:
+                        await node.close(
+                            f"{session.STANDBY_REASON}; this control plane no longer leads"
+                        )
+                    except errors.LinkClosed:
+                        pass
+        was_leader = leading
