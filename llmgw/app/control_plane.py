@@ -169,7 +169,7 @@ async def serve_control_plane(
     await restore_budgets(store, accountant)
     holder = lease_holder()
     leader_view = LeaderView(holder)
-    forward = LeaderForward(leader_view.leader_api)
+    forward = LeaderForward(leader_view.leader_api, is_leader=lambda: cluster.is_leader)
     gateway = Gateway(
         authenticator=authenticator,
         cluster=cluster,

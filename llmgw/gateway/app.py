@@ -184,9 +184,12 @@ class Gateway:
         path: str = scope["path"]
         method: str = scope["method"]
         if self._forward is not None and path.startswith("/v1/") and not self._cluster.is_leader:
-            # A standby: the leader answers /v1 (llmgw.gateway.forward).
-            await self._forward(scope, receive, send)
-            return
+            # A standby: the leader answers /v1 (llmgw.gateway.forward),
+            # unless this control plane came to lead while it was held.
+            held = await self._forward(scope, receive, send)
+            if held is None:
+                return
+            receive = held
         route = ROUTES.get(path)
         if route is not None or path == COUNT_TOKENS_PATH:
             if method != "POST":

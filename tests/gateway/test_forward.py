@@ -90,14 +90,14 @@ async def test_no_leader_known_or_reachable_is_503_with_retry_after() -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         none_known = await nursery.start(
-            serve_http1, LeaderForward(lambda: None), "127.0.0.1:0", stop, 1.0
+            serve_http1, LeaderForward(lambda: None, hold_s=0), "127.0.0.1:0", stop, 1.0
         )
         # A port nothing listens on.
         with trio.socket.socket() as sock:
             await sock.bind(("127.0.0.1", 0))
             dead = f"127.0.0.1:{sock.getsockname()[1]}"
         unreachable = await nursery.start(
-            serve_http1, LeaderForward(lambda: dead), "127.0.0.1:0", stop, 1.0
+            serve_http1, LeaderForward(lambda: dead, hold_s=0), "127.0.0.1:0", stop, 1.0
         )
         async with httpx.AsyncClient() as client:
             for address, says in (
@@ -117,4 +117,56 @@ async def test_no_leader_known_or_reachable_is_503_with_retry_after() -> None:
             )
             assert looped.status_code == 503
             assert "knows no leader" in looped.json()["error"]["message"]
+        stop.set()
+
+
+async def test_a_request_is_held_until_a_leader_answers_or_this_one_leads() -> None:
+    leader = _Leader()
+    leader.go.set()
+    stop = trio.Event()
+    known: list[str] = []
+    leading = False
+    async with trio.open_nursery() as nursery:
+        leader_address = await nursery.start(serve_http1, leader, "127.0.0.1:0", stop, 1.0)
+        forward = LeaderForward(
+            lambda: known[0] if known else None, is_leader=lambda: leading, hold_s=5
+        )
+        standby = await nursery.start(serve_http1, forward, "127.0.0.1:0", stop, 1.0)
+
+        async def leader_found_later() -> None:
+            await trio.sleep(0.5)
+            known.append(leader_address)
+
+        nursery.start_soon(leader_found_later)
+        async with httpx.AsyncClient() as client:
+            held = await client.post(f"http://{standby}/v1/chat/completions", content=b"{}")
+        assert held.status_code == 200
+        assert held.headers["x-from"] == "leader"
+        # This control plane leads while the request waits: it is handed back
+        # with its body.
+        known.clear()
+        got: list[Any] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b'{"a":1}', "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            got.append(message)
+
+        async def lead_soon() -> None:
+            nonlocal leading
+            await trio.sleep(0.3)
+            leading = True
+
+        nursery.start_soon(lead_soon)
+        scope: Any = {
+            "type": "http",
+            "path": "/v1/chat/completions",
+            "headers": [],
+            "method": "POST",
+        }
+        handed = await forward(scope, receive, send)
+        assert handed is receive
+        assert got == []
+        await forward.aclose()
         stop.set()
