@@ -169,7 +169,13 @@ async def serve_control_plane(
     await restore_budgets(store, accountant)
     holder = lease_holder()
     leader_view = LeaderView(holder)
-    forward = LeaderForward(leader_view.leader_api, is_leader=lambda: cluster.is_leader)
+    # Standbys forward /v1 to the leader under `llmgw server` (several
+    # control planes of one store, docs/ha.md); `llmgw up` is one machine.
+    forward = (
+        LeaderForward(leader_view.leader_api, is_leader=lambda: cluster.is_leader)
+        if config.join_listen is not None
+        else None
+    )
     gateway = Gateway(
         authenticator=authenticator,
         cluster=cluster,
