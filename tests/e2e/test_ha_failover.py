@@ -127,6 +127,8 @@ class _Load:
         self.key = key
         self.answers: list[tuple[float, str, str]] = []  # (when, api, request id)
         self.failed: list[float] = []
+        #: Why attempts failed: "HTTP 503 no_leader", "ConnectError", …
+        self.why: dict[str, int] = {}
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(CLIENTS)]
@@ -154,17 +156,26 @@ class _Load:
                     "POST", f"http://{api}/v1/chat/completions", json=body, headers=headers
                 ) as response:
                     if response.status_code != 200:
+                        response.read()
+                        self._note(f"HTTP {response.status_code} {_code(response)}")
                         return None
                     text = b"".join(response.iter_raw())
                     if b"[DONE]" not in text:
+                        self._note("stream cut")
                         return None
                     return str(response.headers.get("x-request-id"))
             response = client.post(f"http://{api}/v1/chat/completions", json=body, headers=headers)
             if response.status_code != 200:
+                self._note(f"HTTP {response.status_code} {_code(response)}")
                 return None
             return str(response.headers.get("x-request-id"))
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            self._note(type(exc).__name__)
             return None
+
+    def _note(self, why: str) -> None:
+        with self._lock:
+            self.why[why] = self.why.get(why, 0) + 1
 
     def _run(self, index: int) -> None:
         n = 0
@@ -192,6 +203,13 @@ class _Load:
     def failed_between(self, start: float, end: float) -> int:
         with self._lock:
             return sum(1 for t in self.failed if start <= t <= end)
+
+
+def _code(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 def _engines() -> dict[int, int | None]:
@@ -325,12 +343,15 @@ def test_the_standby_takes_over_on_sigkill_and_on_sigterm_losing_nothing(
             servers[old].process.wait(timeout=30)
             time.sleep(3)
             failed = load.failed_between(signalled, time.monotonic())
+            why = dict(load.why)
+            load.why.clear()
             assert httpx.get(f"http://{new_api}/leader").status_code == 200
             assert _engines() == engines, "the engine was restarted"
             assert len(load.answers) > answered_before
             figures.append(
                 f"{how.name} {old}: first answer by {new} after {first - signalled:.2f} s; "
-                f"requests failed in the gap: {failed}; engines restarted: 0"
+                f"requests failed in the gap: {failed}; engines restarted: 0; "
+                f"failed attempts by cause (either control plane): {why}"
             )
             # The old control plane comes back as a standby (replaying its journal).
             servers[old].stop()
