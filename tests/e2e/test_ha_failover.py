@@ -309,6 +309,7 @@ def test_the_standby_takes_over_on_sigkill_and_on_sigterm_losing_nothing(
     assert len(engines) == 1
     key = (tmp_path / "cp-a" / "client-key").read_text().strip()
     load = _Load(apis, key)
+    load_started = time.monotonic()
     load.start()
     figures: list[str] = []
     try:
@@ -367,6 +368,7 @@ def test_the_standby_takes_over_on_sigkill_and_on_sigterm_losing_nothing(
         time.sleep(2)
     finally:
         load.stop()
+    load_s = time.monotonic() - load_started
     answered = {request_id for _, _, request_id in load.answers}
     assert answered
 
@@ -378,7 +380,8 @@ def test_the_standby_takes_over_on_sigkill_and_on_sigterm_losing_nothing(
     _wait(lambda: answered <= stored(), 30, "every answered request's usage row")
     lost = answered - stored()
     figures.append(
-        f"answers: {len(answered)} by {CLIENTS} clients; usage rows lost: {len(lost)}; "
+        f"answers: {len(answered)} by {CLIENTS} clients in {load_s:.0f} s "
+        f"({len(answered) / load_s:.1f}/s); usage rows lost: {len(lost)}; "
         f"requests failed over the whole run: {len(load.failed)}"
     )
     print("\nHA failover figures:\n  " + "\n  ".join(figures))
