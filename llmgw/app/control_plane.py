@@ -27,17 +27,21 @@ from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.admin.app import make_admin_app
 from llmgw.admin.keys import KeysService
+from llmgw.agent.joincode import join_address as join_address_of
 from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, AdminTokenFile
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.ca import ClusterCA, server_names
+from llmgw.control.ca_store import sync_cluster_ca
 from llmgw.control.cluster import Cluster
-from llmgw.control.hub import HubTLS, serve_agent_hub
+from llmgw.control.hub import HubTLS, serve_agent_hub, serve_standby_links
 from llmgw.control.join import JoinService, hub_urls, reachable_hosts, serve_join
+from llmgw.control.leader_record import LeaderView, serve_leader_view
 from llmgw.control.live import LiveSettings, serve_settings
 from llmgw.control.reconciler import PortRange
 from llmgw.errors import StartupError, StoreError
 from llmgw.gateway.app import Gateway
+from llmgw.gateway.forward import LeaderForward
 from llmgw.gateway.server import serve_http1
 from llmgw.router.engine_metrics import serve_engine_metrics
 from llmgw.settings import ServerSettings
@@ -163,12 +167,22 @@ async def serve_control_plane(
         else:
             log.info("usage journal replayed into the store")
     await restore_budgets(store, accountant)
+    holder = lease_holder()
+    leader_view = LeaderView(holder)
+    # Standbys forward /v1 to the leader under `llmgw server` (several
+    # control planes of one store, docs/ha.md); `llmgw up` is one machine.
+    forward = (
+        LeaderForward(leader_view.leader_api, is_leader=lambda: cluster.is_leader)
+        if config.join_listen is not None
+        else None
+    )
     gateway = Gateway(
         authenticator=authenticator,
         cluster=cluster,
         usage=usage,
         accountant=accountant,
         resolver=resolver,
+        forward=forward,
     )
     keys_service = KeysService(
         store,
@@ -182,12 +196,11 @@ async def serve_control_plane(
     # The admin API opens to the token in DATA_DIR/admin-token only (no data
     # directory: to nothing).
     admin_token = AdminTokenFile(data_dir / ADMIN_TOKEN_FILE if data_dir is not None else None)
-    join = _join_service(config, store, cluster, data_dir)
+    join = await _join_service(config, store, cluster, data_dir)
     admin = make_admin_app(
         store, cluster, admin_token, keys_service, live=live, data_dir=data_dir, join=join
     )
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
-    holder = lease_holder()
 
     async with trio.open_nursery() as services:
         # Every control plane keeps its settings live, leader or not; the
@@ -210,7 +223,15 @@ async def serve_control_plane(
         hub_host, hub_port = split_address(config.agent_listen)
         hub_tls = _hub_tls(join, store, hub_host, config.advertise)
         bound_hub_port = await services.start(
-            partial(serve_agent_hub, hub_host, hub_port, agent_token, cluster, tls=hub_tls)
+            partial(
+                serve_agent_hub,
+                hub_host,
+                hub_port,
+                agent_token,
+                cluster,
+                tls=hub_tls,
+                standby_hint=leader_view.hint,
+            )
         )
         join_address = ""
         if join is not None and config.join_listen is not None:
@@ -220,7 +241,12 @@ async def serve_control_plane(
                 partial(serve_join, join_host, join_port, join, advertise=config.advertise)
             )
             join_address = f"{join_host}:{bound_join_port}"
-        await services.start(serve_leadership, store, cluster, holder, config.engine_ports)
+        await services.start(serve_leader_view, store, cluster, leader_view)
+        if hub_tls is not None:
+            await services.start(serve_standby_links, cluster)
+        await services.start(
+            partial(serve_leadership, store, cluster, holder, config.engine_ports, view=leader_view)
+        )
         # The replicas' KV-cache usage, for the long-context routing profile.
         await services.start(serve_engine_metrics, cluster)
         async with trio.open_nursery() as listeners:
@@ -228,6 +254,13 @@ async def serve_control_plane(
             admin_address = await listeners.start(serve_asgi, admin, config.admin_listen, stop, 2.0)
             metrics_address = await listeners.start(
                 serve_asgi, metrics_app, config.metrics_listen, stop, 2.0
+            )
+            api_host, api_port = split_address(api)
+            leader_view.set_own(
+                join_address_of(reachable_hosts(api_host, config.advertise)[0], api_port),
+                tuple(hub_urls(reachable_hosts(hub_host, config.advertise), bound_hub_port))
+                if hub_tls is not None
+                else (),
             )
             task_status.started(
                 Addresses(
@@ -253,11 +286,12 @@ async def serve_control_plane(
         journal.close()
 
 
-def _join_service(
+async def _join_service(
     config: ServerConfig, store: Store, cluster: Cluster, data_dir: Path | None
 ) -> JoinService | None:
     """The join service when ``config`` has a join port, over the cluster CA
-    in ``DATA_DIR/ca`` (made on the first start).
+    kept in the store and copied to ``DATA_DIR/ca`` (made on the first start;
+    every control plane of one store serves the same CA, :mod:`llmgw.control.ca_store`).
 
     Raises:
         StartupError: a join port without a data directory, or a CA that
@@ -269,6 +303,7 @@ def _join_service(
         raise StartupError(
             "a join port needs a data directory: the cluster CA lives in DATA_DIR/ca"
         )
+    await sync_cluster_ca(store, data_dir / "ca")
     ca = ClusterCA.load_or_create(data_dir / "ca", server_names(config.advertise))
     return JoinService(ca, store, cluster, servers=())
 

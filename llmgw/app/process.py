@@ -31,6 +31,7 @@ from llmgw import errors
 from llmgw.control.cluster import Cluster
 from llmgw.settings import ServerSettings, load_settings
 from llmgw.store import Store, open_store
+from llmgw.store.postgres import describe_address, is_postgres_address, postgres_conninfo
 
 from .control_plane import Addresses, ServerConfig, serve_control_plane
 from .listen import split_address
@@ -55,9 +56,11 @@ __all__ = [
     "StartError",
     "Started",
     "check_listeners",
+    "check_store_address",
     "load_process_settings",
     "serve_process",
     "serve_signals",
+    "store_where",
 ]
 
 Say = Callable[[str], None]
@@ -269,9 +272,13 @@ async def serve_process(
     price_given: bool,
     beside: Beside,
     say: Say,
+    *,
+    store_address: str | None = None,
 ) -> None:
-    """Run a control plane over ``DATA_DIR/llmgw.db`` until a signal (the
-    caller holds the :class:`DataDirLock`).
+    """Run a control plane over ``store_address`` (``None``: SQLite in
+    ``DATA_DIR/llmgw.db``) until a signal (the caller holds the
+    :class:`DataDirLock`; the data directory keeps the local files either
+    way: journal, admin token, client key, CA copy).
 
     Opens the store (says "store ready"), sets the first start's price
     (:func:`~llmgw.app.up_prices.first_start_prices`), starts
@@ -290,9 +297,9 @@ async def serve_process(
     stop = trio.Event()
     async with trio.open_nursery() as root:
         root.start_soon(serve_signals, stop, root.cancel_scope, say, config.grace_s)
-        db_path = data_dir / "llmgw.db"
-        async with open_store(str(db_path)) as store:
-            say(f"store ready: {db_path}")
+        address = store_address or str(data_dir / "llmgw.db")
+        async with open_store(address) as store:
+            say(f"store ready: {store_where(address)}")
             settings = await first_start_prices(
                 store, config.settings, price_given=price_given, say=say
             )
@@ -353,6 +360,43 @@ async def serve_process(
                     remove_run_file(data_dir)
         say("stopped")
         root.cancel_scope.cancel()
+
+
+def store_where(address: str) -> str:
+    """A store address for messages: a SQLite path as given, a PostgreSQL
+    address as its hosts, ports and database, never its password."""
+    if is_postgres_address(address):
+        return describe_address(postgres_conninfo(address))
+    return address
+
+
+def check_store_address(address: str) -> str:
+    """``address`` when it is a store address given without a password.
+
+    A PostgreSQL password never goes on a command line (``ps`` shows it to
+    every user): give it in a 0600 passfile (``~/.pgpass``, ``PGPASSFILE``,
+    or ``passfile=`` in the address), in ``PGPASSWORD``, or give the whole
+    address in the ``LLMGW_STORE`` environment variable instead of
+    ``--store``.
+
+    Raises:
+        ValueError: the address names a password, or is not one
+            :func:`~llmgw.store.open_store` reads.
+    """
+    from psycopg.conninfo import conninfo_to_dict
+
+    text = address.strip()
+    if not text:
+        raise ValueError("the store address is empty")
+    if is_postgres_address(text):
+        params = conninfo_to_dict(postgres_conninfo(text))
+        if params.get("password"):
+            raise ValueError(
+                f"the store address for {describe_address(postgres_conninfo(text))} holds a "
+                "password: never put it on a command line; use a 0600 passfile "
+                "(~/.pgpass, PGPASSFILE or passfile=…), PGPASSWORD, or LLMGW_STORE"
+            )
+    return text
 
 
 async def serve_signals(stop: trio.Event, hard: trio.CancelScope, say: Say, grace_s: float) -> None:

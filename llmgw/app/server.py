@@ -55,6 +55,8 @@ class ServerOptions:
     advertise: tuple[str, ...] = ()
     engine_ports: tuple[int, int] = (20000, 20999)
     grace_s: float = 10.0
+    #: The store's address (``--store``); ``None``: SQLite in ``DATA_DIR/llmgw.db``.
+    store: str | None = None
 
 
 def _say_to_stderr(text: str) -> None:
@@ -111,7 +113,14 @@ async def run_server(options: ServerOptions, say: Say = _say_to_stderr) -> None:
             )
             nursery.start_soon(_report_ready, running.cluster, addresses.base_url, started, say)
 
-        await serve_process(config, data_dir, loaded.price_given, Beside(start=start), say)
+        await serve_process(
+            config,
+            data_dir,
+            loaded.price_given,
+            Beside(start=start),
+            say,
+            store_address=options.store,
+        )
 
 
 async def _report_ready(cluster: Cluster, base_url: str, started: float, say: Say) -> None:

@@ -119,6 +119,8 @@ class UpOptions:
     grace_s: float = 10.0
     #: Run an agent in this process (``--no-agent`` turns it off).
     agent: bool = True
+    #: The store's address (``--store``); ``None``: SQLite in ``DATA_DIR/llmgw.db``.
+    store: str | None = None
 
 
 def _say_to_stderr(text: str) -> None:
@@ -157,9 +159,17 @@ async def run_up(options: UpOptions, say: Say = _say_to_stderr) -> None:
             grace_s=options.grace_s,
             settings=loaded.settings,
             settings_source=None if loaded.source is None else str(loaded.source),
+            data_dir=data_dir,
         )
         beside = _AgentBeside(options, data_dir, models, started, say)
-        await serve_process(config, data_dir, loaded.price_given, beside.beside(), say)
+        await serve_process(
+            config,
+            data_dir,
+            loaded.price_given,
+            beside.beside(),
+            say,
+            store_address=options.store,
+        )
 
 
 class _AgentBeside:

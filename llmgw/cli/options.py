@@ -24,6 +24,7 @@ __all__ = [
     "path_part",
     "print_json",
     "show_times",
+    "store_option",
     "utc_time",
 ]
 
@@ -45,6 +46,42 @@ def data_dir_option(
         show_default="$LLMGW_DATA_DIR or ~/.local/share/llmgw",
         help=help,
     )
+
+
+def store_option() -> Callable[[F], F]:
+    """``--store ADDRESS`` (passed as ``store``, ``None`` when not given):
+    the store, ``$LLMGW_STORE`` by default. A PostgreSQL address given on
+    the command line must not hold a password (``ps`` shows it); checked
+    by :func:`checked_store`."""
+    return click.option(
+        "--store",
+        "store",
+        envvar="LLMGW_STORE",
+        default=None,
+        metavar="ADDRESS",
+        help="The store: postgresql://USER@HOST[,HOST2…]/DB or a libpq DSN for several "
+        "control planes on one PostgreSQL (password in ~/.pgpass, PGPASSFILE or PGPASSWORD, "
+        "or the whole address in $LLMGW_STORE), or a SQLite file. Default: SQLite in "
+        "DATA_DIR/llmgw.db.",
+    )
+
+
+def checked_store(store: str | None) -> str | None:
+    """The ``--store`` value, refused (``click.BadParameter``) when it is
+    not an address the store reads, or when it came from the command line
+    with a password in it."""
+    if store is None:
+        return None
+    from llmgw.app.process import check_store_address
+
+    source = click.get_current_context().get_parameter_source("store")
+    try:
+        text = check_store_address(store)
+    except ValueError as exc:
+        if source is click.core.ParameterSource.ENVIRONMENT and "password" in str(exc):
+            return store.strip()
+        raise click.BadParameter(str(exc), param_hint="--store") from None
+    return text
 
 
 def json_option() -> Callable[[F], F]:

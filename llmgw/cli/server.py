@@ -10,7 +10,7 @@ import click
 from llmgw import errors
 
 from .errors import first_leaf
-from .options import data_dir_option
+from .options import checked_store, data_dir_option, store_option
 from .up import _check_address, _parse_range
 
 __all__ = ["server"]
@@ -18,6 +18,7 @@ __all__ = ["server"]
 
 @click.command()
 @data_dir_option()
+@store_option()
 @click.option(
     "--config",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
@@ -53,6 +54,7 @@ __all__ = ["server"]
 @click.option("--engine-ports", default="20000-20999", show_default=True, help="Engine port range.")
 def server(
     data_dir: Path,
+    store: str | None,
     config: Path | None,
     listen: str,
     admin_listen: str,
@@ -78,6 +80,7 @@ def server(
                 f"{value!r} is not a host name or an address (e.g. gpu-cp.example.com, 10.0.0.1)",
                 param_hint="--advertise",
             )
+    store = checked_store(store)
     click.echo(f"llmgw: starting the control plane (data in {data_dir})", err=True)
 
     import trio
@@ -86,6 +89,7 @@ def server(
 
     options = ServerOptions(
         data_dir=data_dir,
+        store=store,
         config=config,
         listen=listen,
         admin_listen=admin_listen,

@@ -11,7 +11,7 @@ import click
 from llmgw import errors
 
 from .errors import first_leaf
-from .options import data_dir_option
+from .options import checked_store, data_dir_option, store_option
 
 __all__ = ["up"]
 
@@ -54,6 +54,7 @@ def _parse_range(value: str) -> tuple[int, int]:
 
 @click.command()
 @data_dir_option()
+@store_option()
 @click.option("--listen", default="127.0.0.1:8080", show_default=True, help="Client API HOST:PORT.")
 @click.option(
     "--model",
@@ -111,6 +112,7 @@ def _parse_range(value: str) -> tuple[int, int]:
 )
 def up(
     data_dir: Path,
+    store: str | None,
     listen: str,
     model: Path | None,
     engine: str,
@@ -134,6 +136,7 @@ def up(
         ("--agent-listen", agent_listen),
     ):
         _check_address(name, value)
+    store = checked_store(store)
     click.echo(f"llmgw: starting (data in {data_dir})", err=True)
     # The starter model is hashed while the control plane's modules load
     # (about a second); its check then finds the digest.
@@ -148,6 +151,7 @@ def up(
 
     options = UpOptions(
         data_dir=data_dir,
+        store=store,
         listen=listen,
         admin_listen=admin_listen,
         metrics_listen=metrics_listen,

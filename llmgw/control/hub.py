@@ -36,7 +36,7 @@ from llmgw.store import Store
 from .cluster import Cluster
 from .join import hub_urls
 
-__all__ = ["HubTLS", "admit_certificate", "serve_agent_hub"]
+__all__ = ["HubTLS", "admit_certificate", "serve_agent_hub", "serve_standby_links"]
 
 log = logging.getLogger("llmgw.control.hub")
 
@@ -103,6 +103,7 @@ async def serve_agent_hub(
     cluster: Cluster,
     *,
     tls: HubTLS | None = None,
+    standby_hint: Callable[[], str] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Accept agent links on ``host:port`` until cancelled.
@@ -114,6 +115,9 @@ async def serve_agent_hub(
         cluster: where the nodes' state goes.
         tls: mutual TLS (``llmgw server``); ``None``: plain ``ws://`` with
             the token (``llmgw up``'s loopback agent).
+        standby_hint: with ``tls``, while this control plane does not lead,
+            agents are refused (:data:`~llmgw.agent.session.STANDBY_REASON`)
+            with what this says of where the leader is.
 
     Returns:
         Never returns unless cancelled; ``task_status.started`` gets the
@@ -121,8 +125,10 @@ async def serve_agent_hub(
     """
     urls: list[str] = []
 
+    hint = standby_hint if tls is not None else None
+
     async def on_link(link: session.Link) -> None:
-        await _handle(link, cluster, tuple(urls))
+        await _handle(link, cluster, tuple(urls), hint)
 
     if tls is None:
         await session.serve_links(host, port, token, on_link, task_status=task_status)
@@ -140,7 +146,12 @@ async def serve_agent_hub(
     raise AssertionError("unreachable")
 
 
-async def _handle(link: session.Link, cluster: Cluster, urls: tuple[str, ...] = ()) -> None:
+async def _handle(
+    link: session.Link,
+    cluster: Cluster,
+    urls: tuple[str, ...] = (),
+    standby_hint: Callable[[], str] | None = None,
+) -> None:
     """One agent's link, from its ``Register`` until it ends.
 
     Raises:
@@ -163,6 +174,19 @@ async def _handle(link: session.Link, cluster: Cluster, urls: tuple[str, ...] = 
                 ),
                 session.POLICY_VIOLATION,
                 "node id mismatch",
+            )
+            return
+        if standby_hint is not None and not cluster.is_leader:
+            # Only the leader runs agents: the agent tries the next control
+            # plane of its list at once.
+            hint = standby_hint()
+            log.info(
+                "agent link from node %s refused: this control plane is a standby", first.node_id
+            )
+            await link.refuse(
+                errors.Refused(f"this control plane is a standby; {hint}"),
+                session.POLICY_VIOLATION,
+                f"{session.STANDBY_REASON}; {hint}"[:120],
             )
             return
         existing = cluster.nodes.get(first.node_id)
@@ -235,3 +259,38 @@ def _dispatch(cluster: Cluster, node_id: str, message: protocol.Message) -> None
             log.warning(
                 "node %s sent %s, which is not for a control plane", node_id, type(message).__name__
             )
+
+
+#: How often :func:`serve_standby_links` looks at the leadership, in seconds.
+LEADERSHIP_POLL_S = 0.5
+
+
+async def serve_standby_links(
+    cluster: Cluster, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> NoReturn:
+    """Close every agent's link when this control plane stops leading (its
+    lease lost or not renewed in time), as a standby's refusal
+    (:data:`~llmgw.agent.session.STANDBY_REASON`), so that agents move on to
+    the new leader at once instead of staying linked to a control plane that
+    no longer runs them."""
+    task_status.started()
+    was_leader = cluster.is_leader
+    while True:
+        await trio.sleep(LEADERSHIP_POLL_S)
+        leading = cluster.is_leader
+        if was_leader and not leading:
+            nodes = [n for n in cluster.nodes.values() if n.connected and n.close is not None]
+            if nodes:
+                log.warning(
+                    "no longer leading: closing the links of %d agent(s) so they find the leader",
+                    len(nodes),
+                )
+            for node in nodes:
+                if node.close is not None:
+                    try:
+                        await node.close(
+                            f"{session.STANDBY_REASON}; this control plane no longer leads"
+                        )
+                    except errors.LinkClosed:
+                        pass
+        was_leader = leading

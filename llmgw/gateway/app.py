@@ -44,6 +44,7 @@ from .completion import ROUTES, Completions
 from .count_tokens import COUNT_TOKENS_PATH, TokenCounter
 from .credentials import authenticate
 from .errors import ApiError, api_error, error_body_on, system_stopped
+from .forward import LeaderForward
 from .http import answer
 from .parse import MAX_BODY_BYTES
 from .recording import Recorder
@@ -81,6 +82,9 @@ class Gateway:
             accountant's default limits and prices follow ``auth`` once the
             live settings change.
 
+        forward: on a standby (not :attr:`GatewayCluster.is_leader`), ``/v1/*``
+            goes to the leader through it; ``None``: answered here.
+
     Raises:
         ValueError: the live admission bands are not usable.
     """
@@ -95,8 +99,10 @@ class Gateway:
         accounting: bool = True,
         accountant: Accountant | None = None,
         resolver: ScopeResolver | None = None,
+        forward: LeaderForward | None = None,
     ) -> None:
         self._auth = authenticator
+        self._forward = forward
         self._cluster = cluster
         self._accountant = accountant if accounting else None
         self._resolver = resolver
@@ -135,6 +141,8 @@ class Gateway:
     async def aclose(self) -> None:
         """Close the pooled upstream connections."""
         await self._relay.aclose()
+        if self._forward is not None:
+            await self._forward.aclose()
 
     # --- the live settings ---------------------------------------------------------
 
@@ -175,6 +183,13 @@ class Gateway:
             return
         path: str = scope["path"]
         method: str = scope["method"]
+        if self._forward is not None and path.startswith("/v1/") and not self._cluster.is_leader:
+            # A standby: the leader answers /v1 (llmgw.gateway.forward),
+            # unless this control plane came to lead while it was held.
+            held = await self._forward(scope, receive, send)
+            if held is None:
+                return
+            receive = held
         route = ROUTES.get(path)
         if route is not None or path == COUNT_TOKENS_PATH:
             if method != "POST":

@@ -31,7 +31,7 @@ from llmgw.agent.config import TlsFiles, agent_ssl_context
 from llmgw.agent.link import CONTROL_PLANES_FILE, AgentHandlers, ServerList, serve_link
 from llmgw.control.ca import ClusterCA
 from llmgw.control.cluster import Cluster
-from llmgw.control.hub import HubTLS, serve_agent_hub
+from llmgw.control.hub import HubTLS, serve_agent_hub, serve_standby_links
 from llmgw.store import NodeCertificate, Store, open_sqlite_store
 
 HARDWARE = protocol.Hardware(cpu_count=2, memory_total_mb=1024)
@@ -463,3 +463,105 @@ async def test_an_agent_whose_certificate_was_revoked_stops_its_engines_and_retr
         and "trying again in 15 s" in line
         for line in said
     ), said
+async def test_a_standby_refuses_the_agent_naming_the_leader_and_the_agent_fails_over(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two control planes of one store: the agent, refused by the standby,
+    links to the leader at once; when the leader goes and the standby
+    leads, the agent links to it."""
+    caplog.set_level(logging.INFO)
+    files = await setup.node("node-b")
+    leader, standby = Cluster(), Cluster()
+    leader.set_leader(True)
+    tls = HubTLS(context=setup.ca.server_ssl_context(client_certs=True), store=setup.store)
+    registered: list[trio.Event] = [trio.Event(), trio.Event()]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port_s = await nursery.start(
+                partial(
+                    serve_agent_hub,
+                    "127.0.0.1",
+                    0,
+                    "",
+                    standby,
+                    tls=tls,
+                    standby_hint=lambda: "the leader is at wss://leader.example:7443/agent",
+                )
+            )
+            leader_scope = trio.CancelScope()
+
+            async def leader_hub(*, task_status: trio.TaskStatus[int]) -> None:
+                with leader_scope:
+                    await serve_agent_hub(
+                        "127.0.0.1",
+                        0,
+                        "",
+                        leader,
+                        tls=tls,
+                        standby_hint=lambda: "",
+                        task_status=task_status,
+                    )
+
+            port_l = await nursery.start(leader_hub)
+            standby_url = f"wss://127.0.0.1:{port_s}/agent"
+            servers = ServerList([standby_url, f"wss://127.0.0.1:{port_l}/agent"])
+            handlers = _handlers("node-b", registered[0])
+            handlers.on_registered = lambda _: next(e for e in registered if not e.is_set()).set()
+            nursery.start_soon(
+                partial(serve_link, servers, "", handlers, ssl_context=agent_ssl_context(files))
+            )
+            await registered[0].wait()
+            assert leader.nodes["node-b"].connected
+            assert "node-b" not in standby.nodes
+            said = [r.getMessage() for r in caplog.records if "standby" in r.getMessage()]
+            assert any("wss://leader.example:7443/agent" in m for m in said), said
+            # The leader goes away; the standby leads.
+            leader_scope.cancel()
+            standby.set_leader(True)
+            await registered[1].wait()
+            assert standby.nodes["node-b"].connected
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_leader_that_stops_leading_sends_its_agents_to_the_new_one(
+    setup: Setup,
+) -> None:
+    files = await setup.node("node-c")
+    first, second = Cluster(), Cluster()
+    first.set_leader(True)
+    tls = HubTLS(context=setup.ca.server_ssl_context(client_certs=True), store=setup.store)
+    registered: list[trio.Event] = [trio.Event(), trio.Event()]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            ports = []
+            for cluster in (first, second):
+                ports.append(
+                    await nursery.start(
+                        partial(
+                            serve_agent_hub,
+                            "127.0.0.1",
+                            0,
+                            "",
+                            cluster,
+                            tls=tls,
+                            standby_hint=lambda: "no leader is known yet",
+                        )
+                    )
+                )
+                await nursery.start(serve_standby_links, cluster)
+            servers = ServerList([f"wss://127.0.0.1:{p}/agent" for p in ports])
+            handlers = _handlers("node-c", registered[0])
+            handlers.on_registered = lambda _: next(e for e in registered if not e.is_set()).set()
+            nursery.start_soon(
+                partial(serve_link, servers, "", handlers, ssl_context=agent_ssl_context(files))
+            )
+            await registered[0].wait()
+            assert first.nodes["node-c"].connected
+            # The lease moves: the first stops leading, the second leads.
+            second.set_leader(True)
+            first.set_leader(False)
+            await registered[1].wait()
+            assert second.nodes["node-c"].connected
+            while first.nodes["node-c"].connected:
+                await first.changed.wait()
+            nursery.cancel_scope.cancel()

@@ -23,7 +23,10 @@ The agent knows every control plane it may link to (:class:`ServerList`):
 those it was given (agent.yaml's ``servers``, ``--server``) and those the
 leader sent (``ControlPlanes``, kept in ``STATE_DIR/control-planes.json``
 across restarts). A connect that fails moves on to the next at once; the
-back-off applies once every one has failed in a row.
+back-off applies once every one has failed in a row. A standby refuses an
+agent (only the leader takes agents), naming where the leader is: the agent
+tries the next at once, and the whole list again after
+:data:`STANDBY_RETRY_S`, without growing the back-off.
 
 A link given a ``stop`` event closes with "going away" once it is set (the
 control plane then logs a stop, not a lost link) and :func:`serve_link`
@@ -79,6 +82,9 @@ BACKOFF_MAX_S: Final = 15.0
 #: OSError from the agent's own side while it serves the session (a state
 #: file it cannot write). Anything else is a bug and propagates.
 SESSION_ENDERS: Final = (errors.LinkError, OSError)
+#: After every control plane refused as a standby (or failed), the wait
+#: before the list is tried again, in seconds.
+STANDBY_RETRY_S: Final = 1.0
 #: Where the control planes the leader sent are kept, in the state directory.
 CONTROL_PLANES_FILE: Final = "control-planes.json"
 
@@ -234,6 +240,21 @@ async def serve_link(
             cause = session.first_leaf(group)
         if heard:
             backoff_s = BACKOFF_FIRST_S
+        if isinstance(cause, session.PeerIsStandby):
+            # Only the leader takes agents: the next control plane at once,
+            # and, once every one refused or failed, again after a short
+            # wait (a standby about to lead), without growing the back-off.
+            wrapped = servers.advance()
+            log.info("%s (at %s); trying %s", _describe(cause), url, servers.current)
+            if not wrapped:
+                continue
+            async with trio.open_nursery() as waiting:
+                waiting.start_soon(_cancel_on, stop, waiting.cancel_scope)
+                with trio.move_on_after(STANDBY_RETRY_S):
+                    async for _ in handlers.status_events:
+                        pass
+                waiting.cancel_scope.cancel()
+            continue
         if cause is not None and not connected and not servers.advance():
             # The next control plane at once; the back-off once each failed.
             log.log(

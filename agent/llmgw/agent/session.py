@@ -79,10 +79,12 @@ __all__ = [
     "PONG_TIMEOUT_S",
     "PROTOCOL_ERROR",
     "REGISTER_TIMEOUT_S",
+    "STANDBY_REASON",
     "Admit",
     "CertificateRefused",
     "CertificateUnchecked",
     "Link",
+    "PeerIsStandby",
     "PeerRefused",
     "PeerStopping",
     "await_register",
@@ -149,6 +151,15 @@ class CertificateUnchecked(errors.Refused):
 #: The most bytes of a refused connection's request head read before answering.
 _MAX_REQUEST_HEAD_BYTES: Final = 16384
 
+class PeerIsStandby(PeerRefused):
+    """The control plane is a standby: only the leader takes agents; its
+    close reason (:data:`STANDBY_REASON`) names where the leader is."""
+
+
+#: The close reason's start when a standby refuses an agent.
+STANDBY_REASON: Final = "standby"
+
+
 #: The control plane's check of an agent's certificate (DER bytes): the
 #: node id it names, or :class:`llmgw.errors.Refused` saying why not.
 Admit = Callable[[bytes], Awaitable[str]]
@@ -183,6 +194,8 @@ def _closed(exc: BaseException, peer: str) -> errors.LinkClosed:
         if reason is not None and reason.code == GOING_AWAY:
             return PeerStopping(f"the {peer} is stopping ({reason})")
         if reason is not None and reason.code == POLICY_VIOLATION and peer == "control plane":
+            if (reason.reason or "").startswith(STANDBY_REASON):
+                return PeerIsStandby(f"the control plane is a {reason.reason}")
             return PeerRefused(f"the control plane refused this node: {reason.reason}")
         return errors.LinkClosed(f"closed ({reason})")
     if isinstance(exc, trio_websocket.ConnectionRejected):
