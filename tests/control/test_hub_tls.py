@@ -463,6 +463,8 @@ async def test_an_agent_whose_certificate_was_revoked_stops_its_engines_and_retr
         and "trying again in 15 s" in line
         for line in said
     ), said
+
+
 async def test_a_standby_refuses_the_agent_naming_the_leader_and_the_agent_fails_over(
     setup: Setup, caplog: pytest.LogCaptureFixture
 ) -> None:

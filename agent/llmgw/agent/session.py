@@ -151,6 +151,7 @@ class CertificateUnchecked(errors.Refused):
 #: The most bytes of a refused connection's request head read before answering.
 _MAX_REQUEST_HEAD_BYTES: Final = 16384
 
+
 class PeerIsStandby(PeerRefused):
     """The control plane is a standby: only the leader takes agents; its
     close reason (:data:`STANDBY_REASON`) names where the leader is."""
