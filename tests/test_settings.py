@@ -120,3 +120,11 @@ def test_no_bands_or_two_of_one_name_are_refused() -> None:
 def test_settings_that_would_break_routing_are_refused(doc: dict[str, Any], says: str) -> None:
     with pytest.raises(SettingsError, match=re.escape(says)):
         settings_from_doc(doc)
+
+
+def test_a_settings_file_not_in_utf8_is_a_settings_error(tmp_path: Path) -> None:
+    # Found by fuzz/targets/settings.py: a UnicodeDecodeError escaped.
+    path = tmp_path / "server.yaml"
+    path.write_bytes(b"auth:\n  pricin\xb9: {}\n")
+    with pytest.raises(SettingsError, match="UTF-8"):
+        load_settings(path)
