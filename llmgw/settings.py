@@ -356,6 +356,10 @@ def _make_converter() -> cattrs.Converter:
 def _say_error(exc: BaseException, kind: type | None) -> str:
     if isinstance(exc, KeyError):
         return "required field missing"
+    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        # cattrs' own text sorts the keys and fails on one that is not text (a YAML number).
+        unknown = ", ".join(sorted(str(key) for key in exc.extra_fields))
+        return f"Extra fields in constructor for {exc.cl.__name__}: {unknown}"
     text = str(exc)
     return text or cattrs.v.format_exception(exc, kind)
 
