@@ -133,16 +133,18 @@ def _error_body(message: str) -> bytes:
 class _Connection:
     """One client connection: reads requests, runs the app for each in turn."""
 
-    def __init__(self, stream: trio.SocketStream, app: App, server: tuple[str, int]) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.HalfCloseableStream,
+        app: App,
+        server: tuple[str, int],
+        client: tuple[str, int] | None,
+    ) -> None:
         self.stream = stream
         self.app = app
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.server = server
-        try:
-            peer = stream.socket.getpeername()
-            self.client: tuple[str, int] | None = (str(peer[0]), int(peer[1]))
-        except OSError:
-            self.client = None
+        self.client = client
         self.busy = False
         self.idle_scope: trio.CancelScope | None = None
         self.gone = False
@@ -155,7 +157,7 @@ class _Connection:
             if event is not h11.NEED_DATA:
                 return event
             data = await self.stream.receive_some(READ_SIZE)
-            self.h11.receive_data(data)
+            self.h11.receive_data(bytes(data))
 
     async def _send(self, event: Any) -> None:
         if self.gone:
@@ -185,7 +187,7 @@ class _Connection:
         if self.h11.trailing_data[0]:
             return True
         data = await self.stream.receive_some(READ_SIZE)
-        self.h11.receive_data(data)
+        self.h11.receive_data(bytes(data))
         return bool(data)
 
     async def serve(self, draining: trio.Event, on_idle: Callable[[], None]) -> None:
@@ -342,7 +344,7 @@ class _Connection:
                 if not data:
                     break
                 # A pipelined next request: h11 keeps it for the next cycle.
-                self.h11.receive_data(data)
+                self.h11.receive_data(bytes(data))
             self.gone = True
             return {"type": "http.disconnect"}
 
@@ -439,7 +441,12 @@ async def serve_http1(
             quiet.set()
 
     async def handle(stream: trio.SocketStream) -> None:
-        connection = _Connection(stream, app, server)
+        try:
+            peer = stream.socket.getpeername()
+            client: tuple[str, int] | None = (str(peer[0]), int(peer[1]))
+        except OSError:
+            client = None
+        connection = _Connection(stream, app, server, client)
         connections.add(connection)
         try:
             async with stream:
