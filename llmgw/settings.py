@@ -504,6 +504,10 @@ def _make_converter() -> cattrs.Converter:
 def _say_error(exc: BaseException, kind: type | None) -> str:
     if isinstance(exc, KeyError):
         return "required field missing"
+    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        # cattrs' own text sorts the keys and fails on one that is not text (a YAML number).
+        unknown = ", ".join(sorted(str(key) for key in exc.extra_fields))
+        return f"Extra fields in constructor for {exc.cl.__name__}: {unknown}"
     text = str(exc)
     return text or cattrs.v.format_exception(exc, kind)
 
@@ -532,13 +536,15 @@ def load_settings(path: Path | None) -> ServerSettings:
     """The settings in ``path``, or the defaults when ``path`` is None.
 
     Raises:
-        SettingsError: unreadable YAML, an unknown key or a bad value, with
+        SettingsError: unreadable YAML (or not UTF-8), an unknown key or a bad value, with
             the key's path (``auth.pricing.gemma.prompt_per_1k: …``).
     """
     if path is None:
         return ServerSettings()
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: not UTF-8 text: {exc}") from None
     except (OSError, yaml.YAMLError) as exc:
         raise SettingsError(f"{path}: {exc}") from exc
     if not isinstance(doc, dict):

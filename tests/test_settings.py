@@ -190,3 +190,20 @@ def test_a_bad_guard_setting_is_refused_with_its_path(guard: dict[str, Any], say
         settings_from_doc({"guard": guard})
     assert says in str(caught.value)
     assert "guard" in str(caught.value)
+def test_a_settings_file_not_in_utf8_is_a_settings_error(tmp_path: Path) -> None:
+    # Found by fuzz/targets/settings.py: a UnicodeDecodeError escaped.
+    path = tmp_path / "server.yaml"
+    path.write_bytes(b"auth:\n  pricin\xb9: {}\n")
+    with pytest.raises(SettingsError, match="UTF-8"):
+        load_settings(path)
+
+
+def test_a_key_that_is_not_text_is_a_settings_error(tmp_path: Path) -> None:
+    # Found by fuzz/targets/fuzz_settings.py: cattrs' message for the
+    # unknown keys sorted a float among strings and raised TypeError.
+    path = tmp_path / "server.yaml"
+    path.write_text("auth:\n  pricing:\n    gemma: {prompt_per_1k: 0.001, 55.002: 1}\n")
+    with pytest.raises(SettingsError, match=r"55\.002"):
+        load_settings(path)
+    with pytest.raises(SettingsError, match="7"):
+        settings_from_doc({"auth": {7: 1, "cache_ttl": "1s"}})

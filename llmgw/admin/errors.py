@@ -169,10 +169,15 @@ def install(app: QuartTrio) -> None:
         return error_response(404, f"No route {request.method} {request.path}.", "unknown_url")
 
     @app.errorhandler(405)
-    async def wrong_method(_: Exception) -> Response:
-        return error_response(
+    async def wrong_method(exc: Exception) -> Response:
+        response = error_response(
             405, f"{request.path} does not take {request.method}.", "method_not_allowed"
         )
+        # RFC 9110 section 15.5.6: a 405 names the methods the route takes.
+        allowed = getattr(exc, "valid_methods", None)
+        if allowed:
+            response.headers["Allow"] = ", ".join(sorted(allowed))
+        return response
 
     @app.errorhandler(500)
     async def internal(_: Exception) -> Response:

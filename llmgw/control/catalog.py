@@ -379,12 +379,14 @@ def load_model_file(path: Path | str) -> ModelRecord:
     """:func:`parse_model` of a YAML (or JSON) file.
 
     Raises:
-        CatalogError: the file cannot be read or parsed, or what
+        CatalogError: the file cannot be read, is not UTF-8 or not YAML, or what
             :func:`parse_model` raises.
     """
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CatalogError(f"{path}: not UTF-8 text: {exc}") from None
     except OSError as exc:
         raise CatalogError(f"{path}: cannot read: {exc}") from None
     except yaml.YAMLError as exc:

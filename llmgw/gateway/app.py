@@ -25,7 +25,7 @@ and prices).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import orjson
 
@@ -193,11 +193,13 @@ class Gateway:
         route = ROUTES.get(path)
         if route is not None or path == COUNT_TOKENS_PATH:
             if method != "POST":
-                await _refuse(send, path, 405, f"{path} takes POST", [(b"allow", b"POST")])
+                await _refuse_method(send, path, "POST")
             elif route is not None:
                 await self._completions(scope, receive, send, route)
             else:
                 await self._count_tokens(scope, receive, send)
+        elif path in OPEN_PATHS and method not in ("GET", "HEAD"):
+            await _refuse_method(send, path, "GET")
         elif path == "/health":
             await answer(send, 200, b'{"status":"ok"}')
         elif path == "/ready":
@@ -212,7 +214,7 @@ class Gateway:
             )
         elif path == "/v1/models":
             if method not in ("GET", "HEAD"):
-                await _refuse(send, path, 405, f"{path} takes GET", [(b"allow", b"GET")])
+                await _refuse_method(send, path, "GET")
                 return
             await self._models(scope, send)
         elif (
@@ -250,6 +252,19 @@ class Gateway:
                 entry["aliases"] = list(model.aliases)
             data.append(entry)
         await answer(send, 200, orjson.dumps({"object": "list", "data": data}))
+
+
+#: The open routes, which answer GET and HEAD.
+OPEN_PATHS: Final = frozenset({"/health", "/ready", "/leader"})
+
+
+async def _refuse_method(send: Send, path: str, takes: str) -> None:
+    """405 for a method ``path`` does not take, with ``Allow`` (RFC 9110
+    section 15.5.6; a GET route also takes HEAD)."""
+    allow = b"GET, HEAD" if takes == "GET" else takes.encode()
+    await _refuse(
+        send, path, 405, f"{path} takes {takes}", [(b"allow", allow)], code="method_not_allowed"
+    )
 
 
 async def _refuse(

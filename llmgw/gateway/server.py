@@ -18,6 +18,14 @@ Sending after the client has gone is silently dropped, as hypercorn does.
 An app that raises before it began its answer gets 500 ``internal_error``
 in the path's error shape (:func:`llmgw.gateway.errors.error_body_on`).
 
+Limits and framing (the constants below; ``docs/api.md``, HTTP limits): a
+request whose framing cannot be trusted (``Content-Length`` with
+``Transfer-Encoding``, conflicting lengths, a bad chunk) is refused and the
+connection closed, so nothing hidden in a body is read as a request; heads
+are bounded in bytes, fields and time; a body left unread is drained only
+when small, else the connection closes after a lingering close; a client
+that does not read its answer is cut off after :data:`SEND_TIMEOUT_S`.
+
 Stop: when ``stop`` is set the listeners close at once, idle keep-alive
 connections are closed, and requests in flight get ``grace_s`` to finish;
 then whatever is left is cancelled.
@@ -30,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 import h11
+import orjson
 import trio
 
 from llmgw.asgi import Message, Receive, Scope, Send
@@ -43,32 +52,104 @@ log = logging.getLogger("llmgw.http")
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 READ_SIZE: Final = 65536
-#: Largest request head, in bytes; a larger one gets 431-ish refusal (h11: 400).
+#: Largest request head (request line and header fields), in bytes; a
+#: larger one is refused 431 and the connection closed.
 MAX_HEAD_BYTES: Final = 64 * 1024
-#: A new connection must send its request head within this, in seconds.
+#: Most header fields in one request; more are refused 431.
+MAX_HEADERS: Final = 128
+#: A new connection must send its whole request head within this, in seconds;
+#: so must a kept-alive one, counted from the first byte of its next request.
 FIRST_REQUEST_TIMEOUT_S: Final = 30.0
 #: A request body that stops arriving for this long is given up, in seconds.
 BODY_READ_TIMEOUT_S: Final = 30.0
 #: An idle keep-alive connection is closed after this, in seconds.
 KEEP_ALIVE_TIMEOUT_S: Final = 75.0
+#: A client that takes none of a 64 KiB piece of its answer for this long
+#: is cut off (and the app sees ``http.disconnect``), in seconds.
+SEND_TIMEOUT_S: Final = 60.0
+#: Unread body the server reads and drops after an answer that did not read
+#: it (a 401, a 413), to keep the connection; past this it closes instead.
+DRAIN_LIMIT_BYTES: Final = 64 * 1024
+#: Pipelined bytes held while a request is answered; past this the server
+#: stops reading until the answer is done.
+MAX_PIPELINED_BYTES: Final = 64 * 1024
+#: Before a close that leaves a request body unread, the server stops
+#: sending and discards what still comes for this long, in seconds, so the
+#: client reads its answer instead of a reset (a lingering close).
+LINGER_S: Final = 2.0
+
+
+class _Refusal(Exception):
+    """A request the server answers itself, then closes the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _check_head(request: h11.Request) -> None:
+    """Refuse what h11 lets through but llmgw will not take.
+
+    Raises:
+        _Refusal: 505 for an HTTP version other than 1.0 and 1.1; 501 for
+            ``CONNECT`` (no tunnels); 431 for a head over
+            :data:`MAX_HEAD_BYTES` (h11 bounds only a head still incomplete)
+            or over :data:`MAX_HEADERS` fields; 400 for ``Content-Length``
+            with ``Transfer-Encoding`` (RFC 9112 section 6.1: a smuggling
+            attempt, refused and closed).
+    """
+    if request.http_version not in (b"1.1", b"1.0"):
+        raise _Refusal(505, "HTTP version not supported; send HTTP/1.1")
+    if request.method == b"CONNECT":
+        raise _Refusal(501, "CONNECT is not supported")
+    size = len(request.method) + len(request.target) + 11
+    names = set()
+    for name, value in request.headers:
+        size += len(name) + len(value) + 4
+        names.add(bytes(name))
+    if size > MAX_HEAD_BYTES:
+        raise _Refusal(431, f"the request head is larger than {MAX_HEAD_BYTES} bytes")
+    if len(request.headers) > MAX_HEADERS:
+        raise _Refusal(431, f"the request has more than {MAX_HEADERS} header fields")
+    if b"content-length" in names and b"transfer-encoding" in names:
+        raise _Refusal(400, "Content-Length and Transfer-Encoding together")
+
+
+def _error_body(message: str) -> bytes:
+    """OpenAI's error shape, as the server's own refusals are sent."""
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "code": None,
+                "param": None,
+            }
+        }
+    )
 
 
 class _Connection:
     """One client connection: reads requests, runs the app for each in turn."""
 
-    def __init__(self, stream: trio.SocketStream, app: App, server: tuple[str, int]) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.HalfCloseableStream,
+        app: App,
+        server: tuple[str, int],
+        client: tuple[str, int] | None,
+    ) -> None:
         self.stream = stream
         self.app = app
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.server = server
-        try:
-            peer = stream.socket.getpeername()
-            self.client: tuple[str, int] | None = (str(peer[0]), int(peer[1]))
-        except OSError:
-            self.client = None
+        self.client = client
         self.busy = False
         self.idle_scope: trio.CancelScope | None = None
         self.gone = False
+        #: A request body left unread when the connection closes: linger first.
+        self.unread_body = False
 
     async def _read_event(self) -> Any:
         while True:
@@ -76,31 +157,84 @@ class _Connection:
             if event is not h11.NEED_DATA:
                 return event
             data = await self.stream.receive_some(READ_SIZE)
-            self.h11.receive_data(data)
+            self.h11.receive_data(bytes(data))
 
     async def _send(self, event: Any) -> None:
+        if self.gone:
+            # The connection is done for: nothing more goes out, but this
+            # stays a checkpoint, so an app sending in a loop can be cancelled.
+            await trio.lowlevel.checkpoint()
+            return
         data = self.h11.send(event)
-        if data and not self.gone:
-            try:
-                await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                self.gone = True
+        if not data:
+            return
+        view = memoryview(data)
+        try:
+            for at in range(0, len(view), READ_SIZE):
+                with trio.move_on_after(SEND_TIMEOUT_S) as stalled:
+                    await self.stream.send_all(view[at : at + READ_SIZE])
+                if stalled.cancelled_caught:
+                    # A client that reads nothing: close, which also wakes a
+                    # receive() waiting on the socket, so the app is told.
+                    self.gone = True
+                    await self.stream.aclose()
+                    return
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self.gone = True
+
+    async def _wait_for_data(self) -> bool:
+        """Wait for the first byte of the next request; False on EOF."""
+        if self.h11.trailing_data[0]:
+            return True
+        data = await self.stream.receive_some(READ_SIZE)
+        self.h11.receive_data(bytes(data))
+        return bool(data)
 
     async def serve(self, draining: trio.Event, on_idle: Callable[[], None]) -> None:
+        try:
+            await self._serve(draining, on_idle)
+        finally:
+            if self.unread_body:
+                await self._linger()
+
+    async def _linger(self) -> None:
+        """Stop sending and drop what the client still sends, for a while,
+        so that closing does not reset its answer away."""
+        with trio.move_on_after(LINGER_S):
+            try:
+                await self.stream.send_eof()
+                while await self.stream.receive_some(READ_SIZE):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+
+    async def _serve(self, draining: trio.Event, on_idle: Callable[[], None]) -> None:
         first = True
         while not draining.is_set():
             event: Any = None
-            with trio.move_on_after(
-                FIRST_REQUEST_TIMEOUT_S if first else KEEP_ALIVE_TIMEOUT_S
-            ) as self.idle_scope:
-                try:
+            try:
+                if not first:
+                    more = False
+                    with trio.move_on_after(KEEP_ALIVE_TIMEOUT_S) as self.idle_scope:
+                        more = await self._wait_for_data()
+                    self.idle_scope = None
+                    if not more:
+                        return  # closed, idle too long, or closed while idle for a stop
+                with trio.move_on_after(FIRST_REQUEST_TIMEOUT_S) as head_scope:
+                    if first:
+                        self.idle_scope = head_scope
                     event = await self._read_event()
-                except h11.RemoteProtocolError as exc:
-                    await self._refuse(exc)
-                    return
-                except (trio.BrokenResourceError, OSError):
-                    return
-            self.idle_scope = None
+                self.idle_scope = None
+                if isinstance(event, h11.Request):
+                    _check_head(event)
+            except h11.RemoteProtocolError as exc:
+                await self._refuse(exc.error_status_hint, "malformed HTTP request")
+                return
+            except _Refusal as refusal:
+                await self._refuse(refusal.status, refusal.message)
+                return
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return
             if not isinstance(event, h11.Request):
                 return  # closed, timed out, or closed while idle for a stop
             first = False
@@ -121,14 +255,18 @@ class _Connection:
             except h11.LocalProtocolError:
                 return
 
-    async def _refuse(self, exc: h11.RemoteProtocolError) -> None:
+    async def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with an error body, then close (a request whose
+        framing cannot be trusted leaves nothing on the connection to read)."""
+        self.unread_body = True
         if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            self.gone = True
             return
-        body = b'{"error":{"message":"malformed HTTP request","type":"invalid_request_error","code":null,"param":null}}'
+        body = _error_body(message)
         try:
             await self._send(
                 h11.Response(
-                    status_code=exc.error_status_hint,
+                    status_code=status,
                     headers=[
                         (b"content-type", b"application/json"),
                         (b"content-length", str(len(body)).encode()),
@@ -140,6 +278,7 @@ class _Connection:
             await self._send(h11.EndOfMessage())
         except h11.LocalProtocolError:
             pass
+        self.gone = True
 
     async def _run_request(self, request: h11.Request) -> None:
         target = bytes(request.target)
@@ -166,11 +305,21 @@ class _Connection:
         async def receive() -> Message:
             nonlocal body_done
             if not body_done:
+                if self.gone:
+                    return {"type": "http.disconnect"}
+                if self.h11.they_are_waiting_for_100_continue and not response_started:
+                    await self._send(h11.InformationalResponse(status_code=100, headers=[]))
                 event = None
                 with trio.move_on_after(BODY_READ_TIMEOUT_S):
                     try:
                         event = await self._read_event()
-                    except (h11.RemoteProtocolError, trio.BrokenResourceError, OSError):
+                    except h11.RemoteProtocolError as exc:
+                        # A malformed body (a bad chunk): refused here, so the
+                        # client hears why; the app sees the client gone.
+                        if not response_started:
+                            await self._refuse(exc.error_status_hint, "malformed HTTP request")
+                        event = None
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         event = None
                 if event is None:  # broken, malformed, or too slow
                     self.gone = True
@@ -184,6 +333,10 @@ class _Connection:
                 return {"type": "http.disconnect"}
             # The request is read: wait for the client to go away.
             while not self.gone:
+                if len(self.h11.trailing_data[0]) > MAX_PIPELINED_BYTES:
+                    # Enough pipelined for now: read no more until this
+                    # answer is done (a gone client shows when sending fails).
+                    await trio.sleep_forever()
                 try:
                     data = await self.stream.receive_some(READ_SIZE)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -191,7 +344,7 @@ class _Connection:
                 if not data:
                     break
                 # A pipelined next request: h11 keeps it for the next cycle.
-                self.h11.receive_data(data)
+                self.h11.receive_data(bytes(data))
             self.gone = True
             return {"type": "http.disconnect"}
 
@@ -217,7 +370,7 @@ class _Connection:
             await self.app(scope, receive, send)
         except Exception:
             log.exception("unhandled error answering %s %s", scope["method"], scope["path"])
-            if not response_started:
+            if not response_started and not self.gone:
                 body = error_body_on(scope["path"], internal_error())
                 await send(
                     {
@@ -235,17 +388,28 @@ class _Connection:
             return
         if not response_done:
             self.gone = True
-        elif not body_done:
-            # The app answered without reading the whole body: drain it, so
-            # the connection can carry the next request.
-            while True:
+        elif not body_done and not self.gone:
+            await self._drain(request)
+
+    async def _drain(self, request: h11.Request) -> None:
+        """The app answered without reading the whole body: read and drop a
+        small rest that comes at once, so the connection carries the next
+        request; a larger or slower one (a 413) closes the connection."""
+        declared = dict(request.headers).get(b"content-length")
+        if declared is not None and int(declared) > DRAIN_LIMIT_BYTES:
+            self.gone = self.unread_body = True
+            return
+        dropped = 0
+        with trio.move_on_after(LINGER_S):
+            while dropped <= DRAIN_LIMIT_BYTES:
                 try:
                     event = await self._read_event()
                 except (h11.RemoteProtocolError, trio.BrokenResourceError, OSError):
-                    self.gone = True
-                    return
+                    break
                 if type(event) is not h11.Data:
                     return
+                dropped += len(event.data)
+        self.gone = self.unread_body = True
 
 
 async def serve_http1(
@@ -277,7 +441,12 @@ async def serve_http1(
             quiet.set()
 
     async def handle(stream: trio.SocketStream) -> None:
-        connection = _Connection(stream, app, server)
+        try:
+            peer = stream.socket.getpeername()
+            client: tuple[str, int] | None = (str(peer[0]), int(peer[1]))
+        except OSError:
+            client = None
+        connection = _Connection(stream, app, server, client)
         connections.add(connection)
         try:
             async with stream:

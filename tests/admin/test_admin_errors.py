@@ -125,3 +125,15 @@ async def test_an_unknown_route_a_wrong_method_and_a_bug_answer_in_the_one_shape
             )
         },
     )
+
+
+async def test_a_wrong_method_names_the_allowed_ones(admin: Admin) -> None:
+    # Found by schemathesis (tests/e2e/test_openapi.py): RFC 9110 section
+    # 15.5.6 asks a 405 to carry Allow; it had none.
+    response = await admin.client.open(
+        "/api/v1/status", method="TRACE", headers={"authorization": f"Bearer {admin.secret}"}
+    )
+    assert response.status_code == 405
+    allowed = {m.strip() for m in response.headers["allow"].split(",")}
+    assert {"GET", "HEAD"} <= allowed
+    assert "TRACE" not in allowed

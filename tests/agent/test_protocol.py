@@ -171,3 +171,14 @@ def test_enum_fields_come_back_as_enum_members_not_plain_strings() -> None:
     status = decode(encode(EXAMPLES[2]))
     assert isinstance(status, ShardStatus)
     assert status.state is ShardState.FAILED
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_float_that_is_not_a_number_is_a_bad_frame(value: float) -> None:
+    # Found by fuzz/targets/protocol.py: a NaN came through into the
+    # cluster's figures (and the frame did not decode to itself again).
+    doc = msgpack.unpackb(protocol.encode(EXAMPLES[1]))
+    assert doc["type"] == "Heartbeat"
+    doc["load_1m"] = value
+    with pytest.raises(BadFrame, match="finite"):
+        protocol.decode(msgpack.packb(doc))

@@ -409,3 +409,11 @@ def test_every_problem_listed_at_once() -> None:
         validate_model(ModelRecord(name="bad name", routing="x", source="/a.bin"))
     assert len(caught.value.problems) == 4
     assert isinstance(caught.value, ValueError)
+
+
+def test_a_catalog_file_not_in_utf8_is_a_catalog_error(tmp_path: Path) -> None:
+    # Found by fuzz/targets/catalog.py: a UnicodeDecodeError escaped.
+    path = tmp_path / "model.yaml"
+    path.write_bytes(b"name: gemma\nsource: \xe5\n")
+    with pytest.raises(CatalogError, match="UTF-8"):
+        load_model_file(path)

@@ -134,7 +134,7 @@ def test_bad_requests_get_openai_error_shapes_and_statuses(start_up: Any) -> Non
             assert error["message"]
         wrong_method = http.post(f"{up.base_url}/v1/models", headers=good)
         assert wrong_method.status_code == 405
-        assert wrong_method.headers["allow"] == "GET"
+        assert wrong_method.headers["allow"] == "GET, HEAD"
         assert http.get(url, headers=good).headers["allow"] == "POST"
         assert "JSON" in cases[2][0].json()["error"]["message"]
         assert cases[3][0].json()["error"]["param"] == "messages"

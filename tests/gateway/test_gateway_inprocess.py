@@ -629,3 +629,16 @@ async def test_an_engine_without_a_key_is_sent_no_authorization_header(rig: Rig)
         stop.set()
     assert len(seen) >= 6
     assert all(name != b"authorization" for headers in seen for name, _ in headers)
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/leader", "/v1/models"])
+@pytest.mark.parametrize("method", ["POST", "TRACE", "DELETE", "PUT"])
+async def test_the_get_routes_refuse_other_methods_with_allow(
+    rig: Rig, path: str, method: str
+) -> None:
+    # Found by schemathesis (tests/e2e/test_openapi.py): /health, /ready and
+    # /leader answered 200 to any method; a 405's Allow left out HEAD.
+    got = await rig.call(method, path)
+    assert got.status == 405, got.body
+    assert got.headers[b"allow"] == b"GET, HEAD"
+    assert got.json()["error"]["code"] == "method_not_allowed"

@@ -26,6 +26,7 @@ reply. ``StartShard`` is idempotent by ``shard_id``.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, Final, TypeAlias
 
 import attrs
@@ -368,7 +369,27 @@ def _strict(kind: type[Any], accepts: tuple[type[Any], ...]) -> None:
 
 _strict(str, (str,))
 _strict(int, (int,))
-_strict(float, (int, float))
+
+
+def _say_error(exc: BaseException, _: Any) -> str:
+    """What was wrong with one field: the hook's own words."""
+    if isinstance(exc, KeyError):
+        return "required field missing"
+    return str(exc) or type(exc).__name__
+
+
+def _finite(value: Any, _: Any) -> float:
+    """A float field: a number, and a finite one (a NaN or an infinity from
+    a peer would poison the cluster's sums and comparisons)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected float, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {number}")
+    return number
+
+
+_converter.register_structure_hook(float, _finite)
 _strict(bool, (bool,))
 # ShardState is a str: give it its own hook, or the str hook above would
 # hand back a plain string.
@@ -424,6 +445,9 @@ def decode(frame: bytes | str) -> Message:
         raise UnknownMessage(type_name)
     try:
         message: Message = _converter.structure(doc, cls)
-    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
+    except cattrs.BaseValidationError as exc:
+        said = "; ".join(cattrs.transform_error(exc, path=type_name, format_exception=_say_error))
+        raise BadFrame(f"bad {type_name}: {said}") from exc
+    except (ValueError, TypeError, KeyError) as exc:
         raise BadFrame(f"bad {type_name}: {exc}") from exc
     return message
