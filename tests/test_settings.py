@@ -190,6 +190,8 @@ def test_a_bad_guard_setting_is_refused_with_its_path(guard: dict[str, Any], say
         settings_from_doc({"guard": guard})
     assert says in str(caught.value)
     assert "guard" in str(caught.value)
+
+
 def test_a_settings_file_not_in_utf8_is_a_settings_error(tmp_path: Path) -> None:
     # Found by fuzz/targets/settings.py: a UnicodeDecodeError escaped.
     path = tmp_path / "server.yaml"
