@@ -146,8 +146,8 @@ async def serve_leadership(
                 waiting_said = True
                 log.info(
                     "the leader lease is held by another control plane (with one control plane: "
-                    "a previous run that did not stop cleanly); standing by (it expires %g s "
-                    "after its holder stops renewing it)",
+                    "a previous run that did not stop cleanly); standing by until it expires "
+                    "(%g s after its holder last renewed it)",
                     ttl_s,
                 )
             cluster.set_leader(False)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 MODEL = "sim-model"
-WAITING = "waiting for it to expire"
+WAITING = "standing by until it expires"
 
 
 def _chat(base_url: str, key: str) -> httpx.Response:
