@@ -624,7 +624,14 @@ async def check_clock(
         # bound only catches what they do not cover (a cancelled request may
         # leave its socket to the garbage collector).
         with trio.fail_after(3 * timeout_s):
-            async with httpx.AsyncClient(verify=context, timeout=timeout_s) as client:
+            # One request, its connection closed as soon as the answer is read
+            # (none is kept in a pool to be closed, or collected, later).
+            async with httpx.AsyncClient(
+                verify=context,
+                timeout=timeout_s,
+                limits=httpx.Limits(max_keepalive_connections=0),
+                headers={"connection": "close"},
+            ) as client:
                 started = clock()
                 began = time.monotonic()
                 response = await client.get(url)
