@@ -446,7 +446,9 @@ def chat_to_response(
     item_status = "incomplete" if status == "incomplete" else "completed"
     output: list[dict[str, Any]] = []
     reasoning = reasoning_text(message)
-    calls = [call for call in message.get("tool_calls") or () if isinstance(call, dict)]
+    listed = message.get("tool_calls")
+    # An engine's answer is outside input: anything but a list holds no calls.
+    calls = [c for c in listed if isinstance(c, dict)] if isinstance(listed, list) else []
     text = message.get("content")
     if reasoning:
         # Reasoning cut short only when nothing came after it.

@@ -613,3 +613,16 @@ async def test_a_request_through_the_sim_engine_comes_back_as_responses() -> Non
             assert final.output_text == "tok0 tok1 tok2 tok3 tok4 "
             assert final.usage is not None
             assert final.usage.output_tokens == 5
+
+
+@pytest.mark.parametrize("calls", [3, "call", {"id": "c"}, None])
+def test_an_engine_s_tool_calls_that_are_not_a_list_make_no_function_call_items(
+    calls: object,
+) -> None:
+    """Found by fuzzing (``fuzz/corpus/answers``): an int raised TypeError."""
+    doc = chat_to_response(
+        _completion({"role": "assistant", "content": "Hi.", "tool_calls": calls}, "stop"),
+        "m",
+        request={"model": "m", "input": "hi"},
+    )
+    assert [item["type"] for item in doc["output"]] == ["message"]
