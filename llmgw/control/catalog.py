@@ -413,7 +413,10 @@ def _name_problem(what: str, name: str) -> str | None:
 def _is_pickle(source: str) -> bool:
     text = source.strip()
     if "://" in text:
-        text = urlsplit(text).path
+        try:
+            text = urlsplit(text).path
+        except ValueError:  # not a URL urllib reads ("Invalid IPv6 URL"): judge the text
+            text = text.split("://", 1)[1]
     text = text.split("?", 1)[0].rstrip("/").lower()
     return text.endswith(PICKLE_SUFFIXES)
 

@@ -417,3 +417,25 @@ def test_a_catalog_file_not_in_utf8_is_a_catalog_error(tmp_path: Path) -> None:
     path.write_bytes(b"name: gemma\nsource: \xe5\n")
     with pytest.raises(CatalogError, match="UTF-8"):
         load_model_file(path)
+
+
+@pytest.mark.parametrize(
+    ("source", "pickle"),
+    [("hf://o@@@@r gpt-outsexternaher]", False), ("hf://o@[x/model.bin", True)],
+)
+def test_a_source_urllib_cannot_read_is_judged_by_its_text_not_a_crash(
+    tmp_path: Path, source: str, pickle: bool
+) -> None:
+    """Found by fuzzing (``fuzz/corpus/catalog``): urlsplit's "Invalid IPv6
+    URL" escaped validate_model as a ValueError."""
+    path = tmp_path / "model.yaml"
+    path.write_text(f"name: gemma\nsource: {source}\nrouting: batch\n")
+    model = load_model_file(path)
+    if pickle:
+        with pytest.raises(CatalogError, match="pickle"):
+            validate_model(model)
+    else:
+        try:
+            validate_model(model)
+        except CatalogError as exc:
+            assert "pickle" not in str(exc)
