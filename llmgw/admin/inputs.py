@@ -7,16 +7,38 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 from quart import g, request
 
 from .errors import BadRequest
 
-__all__ = ["actor", "count", "json_object", "optional_int", "query_flag", "query_int"]
+__all__ = [
+    "actor",
+    "count",
+    "json_body",
+    "json_object",
+    "optional_int",
+    "query_flag",
+    "query_int",
+]
 
 
 def actor() -> str:
     """Who is calling: ``admin token (FINGERPRINT)`` (set by the token check)."""
     return str(getattr(g, "admin_actor", "") or "admin")
+
+
+async def json_body() -> Any:
+    """The request's body as JSON, or ``None`` when it is not JSON: the
+    content type is not JSON, or the bytes are not (invalid UTF-8 too, which
+    quart's own ``get_json(silent=True)`` lets through as an exception)."""
+    if not request.is_json:
+        return None
+    raw = await request.get_data(as_text=False)
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
 
 
 async def json_object(*, allowed: Sequence[str] | None = None) -> dict[str, Any]:
@@ -26,7 +48,7 @@ async def json_object(*, allowed: Sequence[str] | None = None) -> dict[str, Any]
     Raises:
         BadRequest: not a JSON object, or an unknown field.
     """
-    doc = await request.get_json(silent=True)
+    doc = await json_body()
     if not isinstance(doc, dict):
         raise BadRequest("Send a JSON object.")
     if allowed is not None:

@@ -43,7 +43,6 @@ from typing import Any, Final
 
 import attrs
 import trio
-from quart import request
 from quart_trio import QuartTrio
 
 from llmgw import errors
@@ -55,6 +54,7 @@ from llmgw.store import Store
 from llmgw.store.records import Limits, Org, Project, Team
 
 from .errors import BadRequest, Clash, NoSuch, known_names
+from .inputs import json_body
 from .views import MICROS_PER_UNIT, key_view, limits_view
 
 __all__ = ["DEFAULT_PROJECT", "KeysService", "add_key_routes", "parse_budget_micros"]
@@ -580,7 +580,7 @@ def add_key_routes(app: QuartTrio, keys: KeysService) -> None:
 
     @app.post("/api/v1/keys")
     async def create_key() -> Any:
-        doc = await request.get_json(silent=True)
+        doc = await json_body()
         if not isinstance(doc, dict):
             raise BadRequest(
                 "Send a JSON object with 'name' (and 'project' or 'person', 'expires', 'band')."
@@ -614,7 +614,7 @@ def add_key_routes(app: QuartTrio, keys: KeysService) -> None:
 
     @app.post("/api/v1/tree")
     async def init_tree() -> Any:
-        return await keys.init_tree(await request.get_json(silent=True))
+        return await keys.init_tree(await json_body())
 
     @app.get("/api/v1/tree")
     async def list_tree() -> Any:
@@ -622,4 +622,4 @@ def add_key_routes(app: QuartTrio, keys: KeysService) -> None:
 
     @app.put("/api/v1/limits/<scope>/<path:ident>")
     async def set_limits(scope: str, ident: str) -> Any:
-        return await keys.set_limits(scope, ident, await request.get_json(silent=True))
+        return await keys.set_limits(scope, ident, await json_body())
