@@ -4,7 +4,9 @@ any JSON object from an engine or an outside provider.
 
 Checked: no exception (the relay calls these on any 200 object); the
 result is JSON (``orjson.dumps`` takes it); ``usage_from`` gives whole
-numbers (never negative) or nothing, and so does the message's ``usage``."""
+numbers (never negative) or nothing, and so does the message's ``usage``.
+An object's ``_request`` (when an object) is the client's Responses request
+echoed in the response, so its settings are fuzzed too."""
 
 from __future__ import annotations
 
@@ -37,7 +39,10 @@ def one_input(data: bytes) -> None:
     message = anthropic.chat_to_message(whole, "m")
     orjson.dumps(message)
     assert all(n >= 0 for n in message["usage"].values() if isinstance(n, int)), message
-    response = responses.chat_to_response(whole, "m", request=REQUEST)
+    request = whole.get("_request")
+    response = responses.chat_to_response(
+        whole, "m", request=request if isinstance(request, dict) else REQUEST
+    )
     orjson.dumps(response)
 
 

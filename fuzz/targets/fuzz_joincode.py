@@ -1,11 +1,14 @@
 """Join codes (``llmgw/agent/joincode.py``): any text pasted to
-``llmgw join``.
+``llmgw join``. An input that starts with ``{`` or ``[`` is the code's JSON
+itself, wrapped as ``llmgw1.`` + base64url, so the fuzzer mutates the
+fields the code carries rather than base64 text that seldom decodes.
 
 Checked: ``JoinCode.decode`` gives a code or raises ``JoinCodeError``; a
 code decoded encodes to a text that decodes to itself."""
 
 from __future__ import annotations
 
+import base64
 import sys
 from pathlib import Path
 
@@ -18,7 +21,10 @@ with instrumented():
 
 
 def one_input(data: bytes) -> None:
-    text = data.decode("utf-8", "replace")
+    if data[:1] in (b"{", b"["):
+        text = "llmgw1." + base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+    else:
+        text = data.decode("utf-8", "replace")
     try:
         code = JoinCode.decode(text)
     except JoinCodeError:
