@@ -132,6 +132,10 @@ async def test_an_unsafe_prompt_is_refused_a_safe_one_served_each_verdict_cached
     assert "mayhem" not in error["message"]
     row = await rig.row(got.headers[b"x-request-id"])
     assert (row.status, row.guard_action, row.guard_rules) == (400, "block", "judge:violent")
+    events = await rig.store.list_guard_events(request_id=row.request_id)
+    assert [(e.direction, e.rule, e.action) for e in events] == [
+        ("input", "judge:violent", "block")
+    ]
     assert judges.answered("judge") == 1
 
     # The same text again: the cached verdict, the judge not asked.
