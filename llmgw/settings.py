@@ -49,12 +49,15 @@ __all__ = [
     "DEFAULT_BANDS",
     "GUARD_ACTIONS",
     "GUARD_BUILTIN_POLICIES",
+    "GUARD_JUDGE_CATEGORIES",
+    "GUARD_JUDGE_FORMATS",
     "GUARD_PII_KINDS",
     "ROUTING_PROFILES",
     "AdmissionSettings",
     "AuthSettings",
     "BandSettings",
     "CacheSettings",
+    "GuardJudge",
     "GuardPolicy",
     "GuardRules",
     "GuardSettings",
@@ -401,14 +404,71 @@ class GuardRules:
     restore: bool = False
 
 
+#: How a judge's reply is read: ``qwen3guard`` (``Safety: Safe|Unsafe|
+#: Controversial`` and ``Categories: …`` lines), ``llamaguard`` (``safe``,
+#: or ``unsafe`` then category codes), ``instructed`` (a general model told
+#: by a system prompt to answer as Qwen3Guard does).
+GUARD_JUDGE_FORMATS: Final = ("qwen3guard", "llamaguard", "instructed")
+#: The categories ``baseline``'s judge refuses, in Qwen3Guard's words.
+GUARD_JUDGE_CATEGORIES: Final = (
+    "Violent",
+    "Non-violent Illegal Acts",
+    "Sexual Content or Sexual Acts",
+    "PII",
+    "Suicide & Self-Harm",
+    "Unethical Acts",
+    "Jailbreak",
+)
+
+
+def _one_of(*options: str) -> Any:
+    def check(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+        if value not in options:
+            raise ValueError(f"{attribute.name}: {value!r} is not one of {', '.join(options)}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class GuardJudge:
+    """A policy's judge: a catalog model asked whether a text is safe.
+
+    Attributes:
+        model: the catalog model (or alias) that judges; "" = no judge.
+        format: how its reply is read (:data:`GUARD_JUDGE_FORMATS`).
+        latency_budget: seconds a verdict may take (default 5).
+        fail: ``closed`` (503 ``judge_unavailable``) or ``open`` (served,
+            recorded as flagged) when no verdict came in time.
+        categories: the unsafe categories refused (matched without regard
+            to case); empty = any unsafe verdict.
+        on: ``input``, ``output`` or ``both``.
+        controversial: what ``Safety: Controversial`` counts as: ``flag``
+            or ``block``.
+    """
+
+    model: str = ""
+    format: str = attrs.field(default="qwen3guard", validator=_one_of(*GUARD_JUDGE_FORMATS))
+    latency_budget: float = attrs.field(
+        default=5.0,
+        converter=parse_duration_s,
+        validator=attrs.validators.gt(0.0),
+    )
+    fail: str = attrs.field(default="closed", validator=_one_of("open", "closed"))
+    categories: tuple[str, ...] = GUARD_JUDGE_CATEGORIES
+    on: str = attrs.field(default="input", validator=_one_of("input", "output", "both"))
+    controversial: str = attrs.field(default="flag", validator=_one_of("flag", "block"))
+
+
 @attrs.frozen(kw_only=True)
 class GuardPolicy:
     """A named policy: its ``input`` and ``output`` rules; ``no_store``
-    keeps the request out of the answer cache."""
+    keeps the request out of the answer cache; ``judge`` a model asked
+    whether the text is safe (none by default)."""
 
     input: GuardRules = attrs.field(factory=GuardRules)
     output: GuardRules = attrs.field(factory=GuardRules)
     no_store: bool = False
+    judge: GuardJudge = attrs.field(factory=GuardJudge)
 
 
 #: The built-in policies, always defined (a policy of the same name in

@@ -36,14 +36,14 @@ from llmgw.store import Store, UsageRow
 
 from .errors import BadRequest, NoSuch
 from .keys import KeysService
-from .views import summary_view, usage_view
+from .views import guard_events_view, summary_view, usage_view
 
 __all__ = ["MAX_USAGE_ROWS", "USAGE_FIELDS", "add_usage_routes", "parse_since"]
 
 #: The most rows one ``GET /api/v1/usage`` may ask for.
 MAX_USAGE_ROWS: Final = 10_000
 #: The columns of a CSV export, in order: every field of a usage row.
-USAGE_FIELDS: Final = tuple(a.name for a in attrs.fields(UsageRow))
+USAGE_FIELDS: Final = tuple(a.name for a in attrs.fields(UsageRow) if a.name != "guard_events")
 #: Rows read from the store at a time while exporting.
 _EXPORT_PAGE: Final = 1000
 
@@ -164,4 +164,9 @@ def add_usage_routes(app: QuartTrio, store: Store, keys: KeysService) -> None:
                 f"No request {request_id!r} (rows are written within a second or two, and "
                 "pruned after auth.usage_retain_days)."
             )
-        return usage_view(row)
+        return {
+            **usage_view(row),
+            "guard_events": guard_events_view(
+                await store.list_guard_events(request_id=request_id, last=1000)
+            ),
+        }

@@ -56,7 +56,7 @@ from llmgw.agent.protocol import Gpu, ShardState
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo, engine_key
 from llmgw.control.placement import gpu_class_of, node_room
 from llmgw.control.reconciler import wanted_replicas
-from llmgw.store import KeyRecord, ModelRecord, UsageRow, model_to_doc
+from llmgw.store import GuardEvent, KeyRecord, ModelRecord, UsageRow, model_to_doc
 from llmgw.store.records import Limits, ProjectPath, UsageSummary
 
 __all__ = [
@@ -260,9 +260,16 @@ def key_view(key: KeyRecord, path: ProjectPath | None) -> dict[str, Any]:
 
 
 def usage_view(row: UsageRow) -> dict[str, Any]:
-    """A usage row, every field."""
+    """A usage row, every field but ``guard_events`` (kept in their own
+    table: :func:`guard_events_view`)."""
     view: dict[str, Any] = _converter.unstructure(row)
+    view.pop("guard_events", None)
     return view
+
+
+def guard_events_view(events: list[GuardEvent]) -> list[dict[str, Any]]:
+    """A request's guard events: direction, rule id and action each."""
+    return [{"direction": e.direction, "rule": e.rule, "action": e.action} for e in events]
 
 
 def summary_view(row: UsageSummary, name: str) -> dict[str, Any]:

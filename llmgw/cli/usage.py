@@ -128,5 +128,8 @@ def ctl_request(request_id: str, data_dir: Path, as_json: bool) -> None:
     if as_json:
         print_json(doc)
         return
+    events = doc.pop("guard_events", None) or []
     for name, value in show_times(doc).items():
         click.echo(f"{name:18} {'-' if value is None or value == '' else value}")
+    for event in events:
+        click.echo(f"{'guard event':18} {event['direction']} {event['rule']} {event['action']}")

@@ -45,6 +45,7 @@ from .errors import (
     model_not_found,
     system_stopped,
 )
+from .guarded import PromptJudge
 from .http import answer, header
 from .parse import (
     ESTIMATE_KIND,
@@ -110,6 +111,7 @@ class Completions:
         self._accountant = accountant
         self._resolver = resolver
         self._guards = Guards()
+        self._judge = PromptJudge(router, relay)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
         """Answer one request of ``kind`` (a value of :data:`ROUTES`)."""
@@ -212,6 +214,8 @@ class Completions:
                     doc, guard.input, outcome.verdict, redactor
                 ):
                     body = None  # the doc changed: the client's bytes no longer go
+                if guard.judges_input:
+                    await self._judge.check(guard, doc, outcome.verdict)
             if accountant is not None and path is not None:
                 try:
                     reservation = accountant.check(

@@ -13,14 +13,23 @@ the engine's later text for it is dropped, its usage still counted.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
+import orjson
+
+from llmgw import errors
+from llmgw.guard import ContentFiltered, Guard, Verdict
+from llmgw.guard.judge import Judge, JudgeUnavailable
 from llmgw.guard.output import OutputGuard
+from llmgw.router.router import Router
+from llmgw.store import ModelRecord
 
 from .chat_stream import DONE, ChatChunkReader
 from .sse import Usage
+from .upstream import UpstreamError
 
-__all__ = ["DocShape", "GuardedStream", "guard_answer"]
+__all__ = ["DocShape", "GuardedStream", "JudgeAsk", "PromptJudge", "guard_answer"]
 
 CONTENT_FILTER = "content_filter"
 
@@ -156,3 +165,148 @@ class GuardedStream:
                     choice["finish_reason"] = CONTENT_FILTER
                     self._open.discard(index)
         return out
+
+
+# --- the judge (docs/guardrails.md, The judge) ------------------------------------------
+
+
+class _HasPool(Protocol):
+    def pool(self, endpoint: Any) -> Any: ...
+
+
+def _context_tokens(model: ModelRecord | None) -> int:
+    """The judge's context in tokens: the trained one, else its first
+    profile's, else 4096."""
+    if model is None:
+        return 4096
+    if model.context_length:
+        return model.context_length
+    profile = model.profile
+    return profile.context_tokens if profile is not None else 4096
+
+
+class JudgeAsk:
+    """Asks a judge model over the gateway's pooled connections, on the
+    gateway's own account (no client key, no usage row, no limits): each
+    call to the least busy ready replica not yet ``tried`` (the hedge to
+    another one than the first call).
+
+    Raises (when called):
+        LlmgwError: no such model, no (other) ready replica, the replica
+            did not answer or answered other than 200 with a chat answer.
+    """
+
+    def __init__(self, router: Router, relay: _HasPool) -> None:
+        self._router = router
+        self._relay = relay
+
+    async def __call__(self, name: str, body: dict[str, Any], tried: list[str]) -> str:
+        model = self._router.resolve(name)
+        if model is None:
+            raise errors.NotFound(f"the judge model {name!r} is not in the catalog")
+        endpoints = [e for e in self._router.endpoints(model) if e.label not in tried]
+        if not endpoints:
+            raise UpstreamError(f"no other replica of {name} to ask", before_response=True)
+        endpoint = min(endpoints, key=lambda e: e.in_flight)
+        tried.append(endpoint.label)
+        external = model.external
+        doc = {**body, "model": external.model if external is not None else model.name}
+        headers = [*endpoint.auth_headers, (b"content-type", b"application/json")]
+        endpoint.in_flight += 1
+        try:
+            response = await self._relay.pool(endpoint).request(
+                b"POST",
+                endpoint.path_prefix.encode() + b"/v1/chat/completions",
+                headers,
+                orjson.dumps(doc),
+            )
+            async with response:
+                data = await response.read()
+                status = response.status
+        finally:
+            endpoint.in_flight -= 1
+        if status != 200:
+            raise UpstreamError(f"judge {name} answered {status}", before_response=False)
+        try:
+            content = orjson.loads(data)["choices"][0]["message"]["content"]
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise UpstreamError(
+                f"judge {name} sent no chat answer", before_response=False
+            ) from None
+        if not isinstance(content, str):
+            raise UpstreamError(f"judge {name} sent no text", before_response=False)
+        return content
+
+
+def _latest_user_text(doc: dict[str, Any]) -> str:
+    """The text a prompt's judge reads: the latest user turn (earlier ones
+    were judged when they were sent, and their verdicts are cached), else
+    a completions ``prompt``."""
+    messages = doc.get("messages")
+    if isinstance(messages, list):
+        for message in reversed(messages):
+            if not isinstance(message, dict) or message.get("role") != "user":
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "\n".join(
+                    part["text"]
+                    for part in content
+                    if isinstance(part, dict) and isinstance(part.get("text"), str)
+                )
+            return ""
+    prompt = doc.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        return "\n".join(p for p in prompt if isinstance(p, str))
+    return ""
+
+
+class PromptJudge:
+    """The judge on prompts, for the ``/v1`` routes: one :class:`Judge`
+    (its verdict cache) per gateway."""
+
+    def __init__(self, router: Router, relay: _HasPool) -> None:
+        self._router = router
+        self.judge = Judge(JudgeAsk(router, relay))
+
+    async def check(self, guard: Guard, doc: dict[str, Any], verdict: Verdict) -> None:
+        """Judge the prompt of ``doc`` (after the pattern rules) and record
+        the verdict: ``judge:<category>`` blocks, ``judge:controversial``
+        flags (or blocks), ``judge:unavailable`` flags under ``fail: open``.
+
+        Raises:
+            ContentFiltered: the judge found the prompt unsafe (400
+                ``content_filter``).
+            JudgeUnavailable: no verdict in time under ``fail: closed``
+                (503 ``judge_unavailable``).
+        """
+        judge = guard.judge
+        if judge is None:
+            return
+        text = _latest_user_text(doc)
+        if not text.strip():
+            return
+        started = time.perf_counter()
+        try:
+            found = await self.judge.judge(
+                judge, text, context_tokens=_context_tokens(self._router.resolve(judge.model))
+            )
+        finally:
+            verdict.seconds += time.perf_counter() - started
+        if found is None:
+            if judge.fail == "closed":
+                verdict.note("judge:unavailable", "block")
+                raise JudgeUnavailable(judge.model)
+            verdict.note("judge:unavailable", "flag")
+            return
+        refused = found.refused(judge)
+        if refused:
+            for rule in refused:
+                verdict.note(rule, "block")
+            raise ContentFiltered("prompt", list(refused))
+        if found.safety == "controversial":
+            verdict.note("judge:controversial", "flag")

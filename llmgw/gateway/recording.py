@@ -145,4 +145,7 @@ def _row(
         guard_rules=",".join(verdict.rules) if verdict is not None else "",
         guard_action=verdict.action if verdict is not None else "",
         guard_ms=round(verdict.seconds * 1000, 3) if verdict is not None else 0.0,
+        guard_events=tuple((d, r, a) for (d, r), a in verdict.events.items())
+        if verdict is not None
+        else (),
     )

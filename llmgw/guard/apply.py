@@ -51,9 +51,11 @@ class Verdict:
         action: the strictest action taken (``""`` when nothing matched).
         seconds: time spent guarding.
         stopped: the answer was cut (``content_filter``).
+        events: ``(direction, rule id)`` → the strictest action it took
+            there, direction ``input`` or ``output`` (the guard events).
     """
 
-    __slots__ = ("action", "actions", "rules", "seconds", "stopped")
+    __slots__ = ("action", "actions", "events", "rules", "seconds", "stopped")
 
     def __init__(self) -> None:
         self.rules: list[str] = []
@@ -61,9 +63,15 @@ class Verdict:
         self.action = ""
         self.seconds = 0.0
         self.stopped = False
+        self.events: dict[tuple[str, str], str] = {}
 
-    def note(self, rule: str, action: str) -> None:
-        """Record that ``rule`` matched and ``action`` was taken."""
+    def note(self, rule: str, action: str, direction: str = "input") -> None:
+        """Record that ``rule`` matched in ``direction`` (``input`` or
+        ``output``) and ``action`` was taken."""
+        place = (direction, rule)
+        there = self.events.get(place)
+        if there is None or _STRENGTH[action] > _STRENGTH[there]:
+            self.events[place] = action
         known = self.actions.get(rule)
         if known is None:
             self.rules.append(rule)
@@ -120,8 +128,9 @@ def apply_hits(
         ContentFiltered: a hit's action is ``block``.
     """
     blocked = [hit.rule.kind.rule for hit in hits if hit.rule.action == "block"]
+    direction = "output" if what == "answer" else "input"
     for hit in hits:
-        verdict.note(hit.rule.kind.rule, hit.rule.action)
+        verdict.note(hit.rule.kind.rule, hit.rule.action, direction)
     if blocked:
         raise ContentFiltered(what, list(dict.fromkeys(blocked)))
     if not any(hit.rule.action in ("mask", "redact") for hit in hits):

@@ -162,7 +162,7 @@ class OutputGuard:
             window = choice.held + data
             for hit in self._rules.matcher.scan(window):
                 if hit.end > len(choice.held):
-                    self._verdict.note(hit.rule.kind.rule, hit.rule.action)
+                    self._verdict.note(hit.rule.kind.rule, hit.rule.action, "output")
             choice.held = window[-HOLD_BYTES:]
             return text, False
         held = choice.held + text.encode("utf-8", "surrogatepass")
@@ -204,6 +204,6 @@ class OutputGuard:
             return sent, False
         choice.stopped = True
         choice.held = b""
-        self._verdict.note(blocking_rule, "block")
+        self._verdict.note(blocking_rule, "block", "output")
         self._verdict.stopped = True
         return sent, True

@@ -15,7 +15,7 @@ from typing import Final
 
 import attrs
 
-from llmgw.settings import GUARD_ACTIONS, GuardPolicy, GuardRules, GuardSettings
+from llmgw.settings import GUARD_ACTIONS, GuardJudge, GuardPolicy, GuardRules, GuardSettings
 
 from .matcher import Matcher, Rule
 from .patterns import INJECTION, PII, SECRETS, Kind
@@ -113,17 +113,24 @@ class Guard:
         names: the policies, in the order applied.
         input, output: each direction's rules.
         no_store: keep the request out of the answer cache.
+        judge: the first judge the policies name (None: no judge).
     """
 
     names: tuple[str, ...]
     input: Direction
     output: Direction
     no_store: bool = False
+    judge: GuardJudge | None = None
 
     @property
     def active(self) -> bool:
         """Whether anything is checked either way."""
-        return self.input.active or self.output.active
+        return self.input.active or self.output.active or self.judge is not None
+
+    @property
+    def judges_input(self) -> bool:
+        """Whether prompts go to the judge."""
+        return self.judge is not None and self.judge.on in ("input", "both")
 
     @property
     def cacheable(self) -> bool:
@@ -142,6 +149,7 @@ def build_guard(names: tuple[str, ...], policies: Sequence[GuardPolicy]) -> Guar
             [(name, p.output) for name, p in zip(names, policies, strict=True)], input=False
         ),
         no_store=any(p.no_store for p in policies),
+        judge=next((p.judge for p in policies if p.judge.model), None),
     )
 
 

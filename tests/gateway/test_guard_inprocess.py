@@ -119,6 +119,13 @@ async def test_a_secret_in_an_answer_stops_it_with_content_filter(rig: Rig) -> N
     assert choice["finish_reason"] == "content_filter"
     assert choice["message"]["content"] == '{"say":"the key is '
     assert AWS not in got.body.decode()
+    # The guard events: the rule, its direction and action; never the text.
+    row = await rig.row(got.headers[b"x-request-id"])
+    events = await rig.store.list_guard_events(request_id=row.request_id)
+    assert [(e.direction, e.rule, e.action) for e in events] == [
+        ("output", "secret:aws_access_key", "block")
+    ]
+    assert (events[0].key_id, events[0].model) == (row.key_id, row.model)
 
     # Streamed: the sim sends it in pieces of 8 characters, so the key is
     # split over events; it is still caught and never sent.

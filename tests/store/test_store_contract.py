@@ -21,6 +21,7 @@ from llmgw.store import (
     External,
     ExternalKey,
     Fenced,
+    GuardEvent,
     KeyRecord,
     Lease,
     ModelRecord,
@@ -204,6 +205,70 @@ async def test_a_usage_rows_guard_verdict_round_trips(store: Store) -> None:
     )
     await store.insert_usage([row])
     assert await store.get_usage("g") == row
+
+
+async def test_guard_events_are_written_with_their_usage_rows_once_and_pruned_with_them(
+    store: Store,
+) -> None:
+    events = (
+        ("input", "secret:aws_access_key", "block"),
+        ("input", "pii:card", "mask"),
+    )
+    first = UsageRow(
+        request_id="g1", created_at=10.0, key_id="k", model="m", status=400, guard_events=events
+    )
+    second = UsageRow(
+        request_id="g2",
+        created_at=7_300.0,
+        key_id="k2",
+        model="m2",
+        status=200,
+        guard_events=(("output", "judge:violent", "block"),),
+    )
+    await store.insert_usage([first, second])
+    await store.insert_usage([first])  # a retried batch adds no event twice
+    found = await store.list_guard_events()
+    assert found == [
+        GuardEvent(
+            request_id="g2",
+            created_at=7_300.0,
+            key_id="k2",
+            model="m2",
+            direction="output",
+            rule="judge:violent",
+            action="block",
+        ),
+        GuardEvent(
+            request_id="g1",
+            created_at=10.0,
+            key_id="k",
+            model="m",
+            direction="input",
+            rule="pii:card",
+            action="mask",
+        ),
+        GuardEvent(
+            request_id="g1",
+            created_at=10.0,
+            key_id="k",
+            model="m",
+            direction="input",
+            rule="secret:aws_access_key",
+            action="block",
+        ),
+    ]
+    assert [e.rule for e in await store.list_guard_events(request_id="g1")] == [
+        "pii:card",
+        "secret:aws_access_key",
+    ]
+    assert [e.request_id for e in await store.list_guard_events(rule="judge:violent")] == ["g2"]
+    assert [e.request_id for e in await store.list_guard_events(since=15.0)] == ["g2"]
+    assert len(await store.list_guard_events(last=1)) == 1
+    assert await store.list_guard_events(last=0) == []
+    with pytest.raises(ValueError, match="last"):
+        await store.list_guard_events(last=-1)
+    await store.prune_usage(7_200.0)  # floored to its hour
+    assert [e.request_id for e in await store.list_guard_events()] == ["g2"]
 
 
 async def test_usage_rows_already_kept_are_skipped_when_a_batch_is_retried(store: Store) -> None:

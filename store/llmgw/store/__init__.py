@@ -17,6 +17,7 @@ from .postgres import PostgresStore as PostgresStore
 from .postgres import open_postgres_store as open_postgres_store
 from .records import External as External
 from .records import ExternalKey as ExternalKey
+from .records import GuardEvent as GuardEvent
 from .records import JoinToken as JoinToken
 from .records import KeyRecord as KeyRecord
 from .records import Lease as Lease
@@ -40,6 +41,7 @@ __all__ = [
     "External",
     "ExternalKey",
     "Fenced",
+    "GuardEvent",
     "JoinToken",
     "JoinTokenExpired",
     "JoinTokenRefused",

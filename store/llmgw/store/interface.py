@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from llmgw import errors
 
 from .records import (
+    GuardEvent,
     JoinToken,
     KeyRecord,
     Lease,
@@ -414,5 +415,23 @@ class Store(Protocol):
             JoinTokenUnknown: no token has this hash.
             JoinTokenUsed: it was used before (``used_at`` says when).
             JoinTokenExpired: ``now`` is at or past its ``expires_at``.
+        """
+        ...
+
+    async def list_guard_events(
+        self,
+        *,
+        last: int = 50,
+        request_id: str | None = None,
+        rule: str | None = None,
+        since: float | None = None,
+    ) -> list[GuardEvent]:
+        """The ``last`` newest guard events (written with their usage rows by
+        :meth:`insert_usage` from :attr:`UsageRow.guard_events`), newest
+        first, those of one request, of one rule id, or from ``since``
+        (UTC epoch s) on when given. Pruned with the usage rows.
+
+        Raises:
+            ValueError: ``last`` is negative.
         """
         ...

@@ -83,6 +83,7 @@ from ._common import (
 from ._sqlite_schema import Migration, load_migrations
 from .interface import Conflict, Fenced, StoreError
 from .records import (
+    GuardEvent,
     JoinToken,
     KeyRecord,
     Lease,
@@ -617,6 +618,21 @@ class PostgresStore:
         """Use the token once; see :meth:`llmgw.store.Store.use_join_token`."""
         return await self._run(partial(_use_join_token, token_hash=token_hash, now=now))
 
+    async def list_guard_events(
+        self,
+        *,
+        last: int = 50,
+        request_id: str | None = None,
+        rule: str | None = None,
+        since: float | None = None,
+    ) -> list[GuardEvent]:
+        """Guard events, newest first; see :meth:`llmgw.store.Store.list_guard_events`."""
+        if last < 0:
+            raise ValueError(f"last must be 0 or more, not {last}")
+        return await self._run(
+            partial(_list_guard_events, last=last, request_id=request_id, rule=rule, since=since)
+        )
+
 
 @contextlib.asynccontextmanager
 async def open_postgres_store(
@@ -1053,6 +1069,10 @@ def _store_usage(conn: _Conn, batch: list[UsageRow]) -> None:
         row["request_id"]
         for row in conn.execute(_INSERT_USAGE, _columns(values, len(_USAGE_TYPES))).fetchall()
     }
+    events = [e for r in batch if r.request_id in new for e in _guard_event_values(r)]
+    if events:
+        with conn.cursor() as cursor:
+            cursor.executemany(_INSERT_GUARD_EVENT, events)
     levels: tuple[dict[tuple[int, _Group], list[int]], ...] = ({}, {}, {})
     months: dict[int, int] = {}
     for r in batch:
@@ -1122,6 +1142,11 @@ def _prune_usage(conn: _Conn, *, before: float, limit: int, fence: Lease | None)
         )
         cursor = conn.execute(
             "DELETE FROM usage WHERE request_id IN (SELECT request_id FROM usage"
+            " WHERE created_at < %s ORDER BY created_at LIMIT %s)",
+            (before, limit),
+        )
+        conn.execute(
+            "DELETE FROM guard_events WHERE id IN (SELECT id FROM guard_events"
             " WHERE created_at < %s ORDER BY created_at LIMIT %s)",
             (before, limit),
         )
@@ -1686,3 +1711,44 @@ def _use_join_token(conn: _Conn, *, token_hash: str, now: float) -> JoinToken:
             return _join_token_from_row(row)
         found = _select_join_token(conn, token_hash=token_hash)
     raise join_token_refusal(found)
+
+
+# --- guard events --------------------------------------------------------------------
+
+_INSERT_GUARD_EVENT = (
+    "INSERT INTO guard_events (request_id, created_at, key_id, model, direction, rule, action)"
+    " VALUES (%s, %s, %s, %s, %s, %s, %s)"
+)
+
+
+def _guard_event_values(row: UsageRow) -> list[tuple[object, ...]]:
+    return [
+        (row.request_id, row.created_at, row.key_id, row.model, direction, rule, action)
+        for direction, rule, action in row.guard_events
+    ]
+
+
+def _list_guard_events(
+    conn: _Conn,
+    *,
+    last: int,
+    request_id: str | None,
+    rule: str | None,
+    since: float | None,
+) -> list[GuardEvent]:
+    where: list[str] = []
+    params: list[object] = []
+    for column, value in (("request_id", request_id), ("rule", rule)):
+        if value is not None:
+            where.append(f"{column} = %s")
+            params.append(value)
+    if since is not None:
+        where.append("created_at >= %s")
+        params.append(since)
+    sql = (
+        "SELECT request_id, created_at, key_id, model, direction, rule, action FROM guard_events"
+        + (f" WHERE {' AND '.join(where)}" if where else "")
+        + " ORDER BY created_at DESC, id DESC LIMIT %s"
+    )
+    rows = conn.execute(sql, (*params, last)).fetchall()
+    return [GuardEvent(**dict(r)) for r in rows]

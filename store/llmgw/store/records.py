@@ -7,7 +7,7 @@ answer text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -15,6 +15,7 @@ import attrs
 __all__ = [
     "External",
     "ExternalKey",
+    "GuardEvent",
     "JoinToken",
     "KeyRecord",
     "Lease",
@@ -163,6 +164,10 @@ class KeyRecord:
     owner: str = ""
 
 
+def _guard_events(value: Iterable[Sequence[str]]) -> tuple[tuple[str, str, str], ...]:
+    return tuple((str(d), str(r), str(a)) for d, r, a in value)
+
+
 @attrs.frozen(kw_only=True)
 class UsageRow:
     """One finished (or failed) client request.
@@ -204,6 +209,12 @@ class UsageRow:
     guard_action: str = ""
     #: Milliseconds spent guarding, both directions.
     guard_ms: float = 0.0
+    #: Each rule that matched: ``(direction, rule id, action)``, direction
+    #: ``input`` or ``output``; stored as the request's guard events
+    #: (:class:`GuardEvent`), not in the usage table.
+    guard_events: tuple[tuple[str, str, str], ...] = attrs.field(
+        default=(), converter=_guard_events
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -479,3 +490,26 @@ class JoinToken:
     node_id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict, converter=_env_dict)
     used_at: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class GuardEvent:
+    """One rule that matched in one request (``docs/guardrails.md``, Records).
+
+    Attributes:
+        request_id: the request (its usage row).
+        created_at: when the request came (UTC epoch s).
+        key_id, model: who asked, for what (the model asked for).
+        direction: ``input`` (the prompt) or ``output`` (the answer).
+        rule: the rule id (``secret:aws_access_key``, ``pii:card``,
+            ``judge:violent``, ``deny:<policy>:<n>``, ``max_chars``).
+        action: ``flag``, ``mask``, ``redact`` or ``block``.
+    """
+
+    request_id: str
+    created_at: float
+    key_id: str
+    model: str
+    direction: str
+    rule: str
+    action: str

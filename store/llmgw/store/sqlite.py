@@ -76,6 +76,7 @@ from .interface import (
     StoreError,
 )
 from .records import (
+    GuardEvent,
     JoinToken,
     KeyRecord,
     Lease,
@@ -634,6 +635,21 @@ class SqliteStore:
         """
         return await self._run(partial(_use_join_token, token_hash=token_hash, now=now))
 
+    async def list_guard_events(
+        self,
+        *,
+        last: int = 50,
+        request_id: str | None = None,
+        rule: str | None = None,
+        since: float | None = None,
+    ) -> list[GuardEvent]:
+        """Guard events, newest first; see :meth:`llmgw.store.Store.list_guard_events`."""
+        if last < 0:
+            raise ValueError(f"last must be 0 or more, not {last}")
+        return await self._run(
+            partial(_list_guard_events, last=last, request_id=request_id, rule=rule, since=since)
+        )
+
 
 @contextlib.asynccontextmanager
 async def open_sqlite_store(
@@ -979,6 +995,8 @@ def _insert_usage(conn: sqlite3.Connection, *, rows: list[UsageRow]) -> None:
             )
             if cursor.rowcount != 1:
                 continue
+            if r.guard_events:
+                conn.executemany(_INSERT_GUARD_EVENT, _guard_event_values(r))
             group = (r.key_id, r.served_model or r.model, r.project_id, r.team_id, r.org_id)
             adds = (
                 1,
@@ -1031,6 +1049,11 @@ def _prune_usage(
         cursor = conn.execute(
             "DELETE FROM usage WHERE rowid IN (SELECT rowid FROM usage WHERE created_at < ?"
             " ORDER BY created_at LIMIT ?)",
+            (before, limit),
+        )
+        conn.execute(
+            "DELETE FROM guard_events WHERE id IN (SELECT id FROM guard_events"
+            " WHERE created_at < ? ORDER BY created_at LIMIT ?)",
             (before, limit),
         )
         return cursor.rowcount
@@ -1606,3 +1629,43 @@ def _use_join_token(conn: sqlite3.Connection, *, token_hash: str, now: float) ->
             (token_hash,),
         )
     raise join_token_refusal(_join_token_from_row(found[0]) if found else None)
+
+
+# --- guard events --------------------------------------------------------------------
+
+_INSERT_GUARD_EVENT = (
+    "INSERT INTO guard_events (request_id, created_at, key_id, model, direction, rule, action)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _guard_event_values(row: UsageRow) -> list[tuple[object, ...]]:
+    return [
+        (row.request_id, row.created_at, row.key_id, row.model, direction, rule, action)
+        for direction, rule, action in row.guard_events
+    ]
+
+
+def _list_guard_events(
+    conn: sqlite3.Connection,
+    *,
+    last: int,
+    request_id: str | None,
+    rule: str | None,
+    since: float | None,
+) -> list[GuardEvent]:
+    where: list[str] = []
+    params: list[object] = []
+    for column, value in (("request_id", request_id), ("rule", rule)):
+        if value is not None:
+            where.append(f"{column} = ?")
+            params.append(value)
+    if since is not None:
+        where.append("created_at >= ?")
+        params.append(since)
+    sql = (
+        "SELECT request_id, created_at, key_id, model, direction, rule, action FROM guard_events"
+        + (f" WHERE {' AND '.join(where)}" if where else "")
+        + " ORDER BY created_at DESC, id DESC LIMIT ?"
+    )
+    return [GuardEvent(**dict(r)) for r in _rows(conn, sql, (*params, last))]

@@ -34,6 +34,7 @@ import trio
 from llmgw.asgi import Receive, Scope, Send, answer_lifespan, cancel_on_disconnect
 from llmgw.engines.sim import shapes
 from llmgw.engines.sim.answers import (
+    CONTENT,
     Plan,
     PrefixCache,
     Rich,
@@ -313,6 +314,11 @@ class SimEngine:
         usage = stream and include_usage(doc)
         limit = max_tokens(doc, "max_completion_tokens", "max_tokens")
         rich = rich_answer(doc, self.config, limit)
+        # Scripted answers (SimConfig.replies): the first pair whose text the prompt holds.
+        for when, reply in self.config.replies if rich is None else ():
+            if when in text:
+                rich = Rich(((CONTENT, reply),), "stop", 1, None)
+                break
         await self._generate(receive, send, "chat", text, limit, stream, usage, rich)
 
     async def _completions(self, receive: Receive, send: Send) -> None:

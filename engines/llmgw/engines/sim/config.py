@@ -26,6 +26,10 @@ def _pairs(value: Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
     return tuple(value)
 
 
+def _pairs_of_text(value: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    return tuple(value)
+
+
 def _refusals(_: Any, attribute: attrs.Attribute[Any], value: tuple[Any, ...]) -> None:
     for pair in value:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
@@ -93,6 +97,10 @@ class SimConfig:
     refuse_keys: tuple[tuple[str, int], ...] = attrs.field(
         default=(), converter=_pairs, validator=_refusals
     )
+    #: Scripted chat answers: ``(when, answer)`` pairs; a chat prompt
+    #: holding ``when`` (the first pair that matches; "" matches any) is
+    #: answered ``answer`` as its whole content (a judge's verdict in tests).
+    replies: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_pairs_of_text)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
