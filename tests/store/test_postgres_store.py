@@ -206,7 +206,7 @@ async def test_migrations_are_applied_once_and_recorded(postgres_db: str) -> Non
         pass
     with psycopg.connect(postgres_db) as conn:
         rows = conn.execute("SELECT version, name FROM schema_migrations").fetchall()
-    assert rows == [(1, "0001_init.sql"), (2, "0002_usage_guard.sql")]
+    assert rows == [(1, "0001_init.sql"), (2, "0002_usage_guard.sql"), (5, "0005_people.sql")]
 
 
 async def test_two_stores_opening_one_new_database_at_once_migrate_it_once(
@@ -221,7 +221,7 @@ async def test_two_stores_opening_one_new_database_at_once_migrate_it_once(
             nursery.start_soon(open_one)
     with psycopg.connect(postgres_db) as conn:
         row = conn.execute("SELECT count(*) FROM schema_migrations").fetchone()
-    assert row == (2,)
+    assert row == (3,)
 
 
 async def test_a_database_from_a_newer_llmgw_is_refused(postgres_db: str) -> None:

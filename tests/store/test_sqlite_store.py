@@ -184,6 +184,7 @@ async def test_migrations_are_applied_once_and_reopening_is_a_no_op(tmp_path: Pa
         (7, "0007_usage_retention.sql"),
         (8, "0008_node_identity.sql"),
         (9, "0009_usage_guard.sql"),
+        (12, "0012_people.sql"),
     ]
     assert backups(path) == []
 
