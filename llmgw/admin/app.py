@@ -25,6 +25,7 @@ a second.
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 from quart import g, request
@@ -32,6 +33,7 @@ from quart_trio import QuartTrio
 
 from llmgw.auth.admin_token import AdminTokenFile, fingerprint
 from llmgw.auth.keys import KEY_PREFIX, KeyRefused
+from llmgw.auth.people import People
 from llmgw.control.cluster import Cluster
 from llmgw.control.join import JoinService
 from llmgw.control.live import LiveSettings
@@ -43,6 +45,7 @@ from .join_codes import add_join_code_routes
 from .keys import KeysService, add_key_routes
 from .models import add_model_routes
 from .nodes import add_node_routes
+from .people import add_people_routes
 from .system import add_system_routes
 from .usage import add_usage_routes
 
@@ -58,6 +61,7 @@ def make_admin_app(
     live: LiveSettings | None = None,
     data_dir: Path | None = None,
     join: JoinService | None = None,
+    people: People | None = None,
 ) -> QuartTrio:
     """The admin API application over ``store`` and ``cluster``.
 
@@ -70,6 +74,8 @@ def make_admin_app(
         data_dir: where weights live, for ``DELETE /api/v1/models/<name>?purge=1``.
         join: what makes join codes; ``None`` when the control plane has no
             join port (``POST /api/v1/nodes/join-codes`` answers 409).
+        people: accounts and sessions; a fresh one over ``store`` when
+            ``None`` (tests).
     """
     app = QuartTrio("llmgw.admin")
     if live is None:
@@ -100,4 +106,5 @@ def make_admin_app(
     add_model_routes(app, store, cluster, data_dir=data_dir)
     add_node_routes(app, cluster, live, store)
     add_join_code_routes(app, join)
+    add_people_routes(app, store, people or People(store, secrets.token_bytes(32)))
     return app

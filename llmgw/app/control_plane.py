@@ -10,6 +10,7 @@ get ``grace_s`` to finish, and the usage writer flushes.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from collections.abc import Sequence
 from functools import partial
@@ -30,6 +31,7 @@ from llmgw.admin.keys import KeysService
 from llmgw.agent.joincode import join_address as join_address_of
 from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, AdminTokenFile
 from llmgw.auth.keys import KeyAuthenticator
+from llmgw.auth.people import People
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.ca import ClusterCA, server_names
 from llmgw.control.ca_store import sync_cluster_ca
@@ -58,6 +60,8 @@ log = logging.getLogger("llmgw.control")
 GRACE_S: Final = 10.0
 #: How long the hub waits for the agents of this process to stop, in seconds.
 AGENTS_STOP_S: Final = 3.0
+#: The first admin's sign-in address unless LLMGW_ADMIN_EMAIL says otherwise.
+FIRST_ADMIN_EMAIL: Final = "admin@localhost"
 #: The usage journal's folder, in the data directory.
 JOURNAL_DIR: Final = "usage-journal"
 
@@ -193,12 +197,20 @@ async def serve_control_plane(
         bands=lambda: [band.name for band in cluster.settings.router.admission.bands],
     )
     live = LiveSettings(store, cluster)
+    people = await _people(store, authenticator)
     # The admin API opens to the token in DATA_DIR/admin-token only (no data
     # directory: to nothing).
     admin_token = AdminTokenFile(data_dir / ADMIN_TOKEN_FILE if data_dir is not None else None)
     join = await _join_service(config, store, cluster, data_dir)
     admin = make_admin_app(
-        store, cluster, admin_token, keys_service, live=live, data_dir=data_dir, join=join
+        store,
+        cluster,
+        admin_token,
+        keys_service,
+        live=live,
+        data_dir=data_dir,
+        join=join,
+        people=people,
     )
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
 
@@ -321,3 +333,23 @@ def _hub_tls(
         store=store,
         hosts=tuple(reachable_hosts(hub_host, advertise)),
     )
+
+
+async def _people(store: Store, authenticator: KeyAuthenticator) -> People:
+    """Accounts and sessions; on the first start (nobody in the store) the
+    first admin, ``LLMGW_ADMIN_EMAIL`` (default ``admin@localhost``) with
+    the password in ``LLMGW_ADMIN_PASSWORD``, else one made up and logged
+    once (``docs/portal.md``)."""
+    secret = await store.get_or_create_secret("portal-sessions", lambda: secrets.token_bytes(32))
+    people = People(store, secret, authenticator)
+    email = os.environ.get("LLMGW_ADMIN_EMAIL") or FIRST_ADMIN_EMAIL
+    made = await people.ensure_first_admin(email, os.environ.get("LLMGW_ADMIN_PASSWORD") or None)
+    if made:
+        log.warning(
+            "first admin %s made for the portal; its password, shown only this once: %s",
+            email,
+            made,
+        )
+    elif made == "":
+        log.info("first admin %s made with the password in LLMGW_ADMIN_PASSWORD", email)
+    return people

@@ -51,6 +51,7 @@ COMMANDS: Final = {
     "status": ("serving", "status"),
     "stop": ("serving", "stop"),
     "up": ("up", "up"),
+    "users": ("users", "users"),
 }
 
 

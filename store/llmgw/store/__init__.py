@@ -22,13 +22,16 @@ from .records import JoinToken as JoinToken
 from .records import KeyRecord as KeyRecord
 from .records import Lease as Lease
 from .records import Limits as Limits
+from .records import Membership as Membership
 from .records import ModelRecord as ModelRecord
 from .records import NodeCertificate as NodeCertificate
 from .records import Org as Org
+from .records import Person as Person
 from .records import Profile as Profile
 from .records import Project as Project
 from .records import ProjectPath as ProjectPath
 from .records import Scope as Scope
+from .records import SessionRecord as SessionRecord
 from .records import SummaryBy as SummaryBy
 from .records import Team as Team
 from .records import UsageRow as UsageRow
@@ -50,14 +53,17 @@ __all__ = [
     "KeyRecord",
     "Lease",
     "Limits",
+    "Membership",
     "ModelRecord",
     "NodeCertificate",
     "Org",
+    "Person",
     "PostgresStore",
     "Profile",
     "Project",
     "ProjectPath",
     "Scope",
+    "SessionRecord",
     "SqliteStore",
     "Store",
     "StoreError",

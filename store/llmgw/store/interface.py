@@ -24,11 +24,14 @@ from .records import (
     KeyRecord,
     Lease,
     Limits,
+    Membership,
     ModelRecord,
     NodeCertificate,
     Org,
+    Person,
     ProjectPath,
     Scope,
+    SessionRecord,
     SettingChange,
     SummaryBy,
     Team,
@@ -434,4 +437,65 @@ class Store(Protocol):
         Raises:
             ValueError: ``last`` is negative.
         """
+        ...
+
+    # --- people, memberships, sessions (docs/portal.md) ----------------------
+    async def insert_person(self, person: Person) -> None:
+        """Keep a new person (``email`` lower-cased). Raises :class:`Conflict`
+        if the id or the address is taken."""
+        ...
+
+    async def get_person(self, person_id: str) -> Person | None: ...
+
+    async def find_person(self, email: str) -> Person | None:
+        """The person with this sign-in address (any case), or ``None``."""
+        ...
+
+    async def list_people(self) -> list[Person]:
+        """Every person, by address."""
+        ...
+
+    async def update_person(self, person: Person) -> bool:
+        """Replace the person with ``person.id``; ``False`` when there is none.
+        Raises :class:`Conflict` if the address belongs to another person."""
+        ...
+
+    async def delete_person(self, person_id: str) -> bool:
+        """Remove a person with their memberships and sessions (their keys
+        stay); ``False`` when there is none."""
+        ...
+
+    async def forget_person(self, person_id: str, anonymous: str, at: float) -> bool:
+        """Erase a person's personal data in one transaction: their row,
+        memberships and sessions go; the keys they own are revoked at ``at``
+        (if live) and owned by ``anonymous`` instead of their address, so
+        usage sums stay (per key) under that anonymous id. ``False`` when
+        there is no such person."""
+        ...
+
+    async def put_membership(self, membership: Membership) -> None:
+        """Add a membership, or change its role when it exists."""
+        ...
+
+    async def delete_membership(self, person_id: str, scope: str, scope_id: str) -> bool: ...
+
+    async def list_memberships(self, person_id: str | None = None) -> list[Membership]:
+        """Every membership (of ``person_id`` when given)."""
+        ...
+
+    async def insert_session(self, session: SessionRecord) -> None:
+        """Keep a new session. Raises :class:`Conflict` if the hash exists."""
+        ...
+
+    async def get_session(self, token_hash: str) -> SessionRecord | None:
+        """The session with this token hash (expired or not), or ``None``."""
+        ...
+
+    async def delete_session(self, token_hash: str) -> bool:
+        """End one session; ``False`` when there was none."""
+        ...
+
+    async def delete_sessions(self, person_id: str, *, before: float | None = None) -> int:
+        """End every session of ``person_id`` (how many); with ``before``,
+        also drop anyone's sessions that expired before it."""
         ...

@@ -20,13 +20,16 @@ __all__ = [
     "KeyRecord",
     "Lease",
     "Limits",
+    "Membership",
     "ModelRecord",
     "NodeCertificate",
     "Org",
+    "Person",
     "Profile",
     "Project",
     "ProjectPath",
     "Scope",
+    "SessionRecord",
     "SettingChange",
     "SummaryBy",
     "Team",
@@ -513,3 +516,62 @@ class GuardEvent:
     direction: str
     rule: str
     action: str
+
+
+PersonState = Literal["awaiting", "active", "suspended"]
+"""An account's state: awaiting approval, active, suspended."""
+
+StaffRole = Literal["", "viewer", "operator", "billing", "admin"]
+"""A person's staff role on ``/admin`` ("" = none)."""
+
+MemberRole = Literal["member", "manager"]
+"""A person's role in an org, team or project."""
+
+
+@attrs.frozen(kw_only=True)
+class Person:
+    """A person who signs in (the portal, ``docs/portal.md``).
+
+    Attributes:
+        id: stable id (``person_…``).
+        email: the sign-in address, lower-cased; unique.
+        name: a display name (may be empty).
+        password_hash: an argon2id PHC string, or a text beginning with
+            ``!`` when the account has no local password.
+        state: ``awaiting``, ``active`` or ``suspended``.
+        staff_role: ``""``, ``viewer``, ``operator``, ``billing`` or ``admin``.
+        created_at: UTC epoch seconds.
+    """
+
+    id: str
+    email: str
+    name: str = ""
+    password_hash: str = "!"
+    state: PersonState = "active"
+    staff_role: StaffRole = ""
+    created_at: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class Membership:
+    """A person's place in the tenancy tree: a member or manager of one
+    org, team or project (``scope_id`` is that level's id)."""
+
+    person_id: str
+    scope: Literal["org", "team", "project"]
+    scope_id: str
+    role: MemberRole = "member"
+
+
+@attrs.frozen(kw_only=True)
+class SessionRecord:
+    """A signed-in session, kept by the SHA-256 hex of its token only.
+
+    ``client`` is the address it was made from; times are UTC epoch seconds.
+    """
+
+    token_hash: str
+    person_id: str
+    created_at: float
+    expires_at: float
+    client: str = ""

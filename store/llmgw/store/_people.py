@@ -1,0 +1,265 @@
+"""People, memberships and sessions, the same SQL for both backends.
+
+Each backend wraps its connection in a :class:`Sql` (named parameters
+written ``:name``; PostgreSQL's adapter rewrites them to ``%(name)s``) and
+calls these functions in its worker thread, so the two stores cannot drift.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
+
+import psycopg
+from psycopg.rows import DictRow
+
+from ._sqlite_schema import write_transaction
+from .records import Membership, Person, SessionRecord
+
+__all__ = [
+    "PgSql",
+    "Sql",
+    "SqliteSql",
+    "delete_membership",
+    "delete_person",
+    "delete_session",
+    "delete_sessions",
+    "find_person",
+    "forget_person",
+    "get_person",
+    "get_session",
+    "insert_person",
+    "insert_session",
+    "list_memberships",
+    "list_people",
+    "put_membership",
+    "update_person",
+]
+
+_NAMED = re.compile(r"(?<!:):([a-z_]+)")
+
+
+class Sql(Protocol):
+    def rows(self, sql: str, params: Mapping[str, object]) -> list[Mapping[str, Any]]: ...
+
+    def run(self, sql: str, params: Mapping[str, object]) -> int:
+        """Execute; the number of rows changed."""
+        ...
+
+    def transaction(self) -> AbstractContextManager[object]: ...
+
+
+class SqliteSql:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def rows(self, sql: str, params: Mapping[str, object]) -> list[Mapping[str, Any]]:
+        cursor = self._conn.cursor()
+        cursor.row_factory = sqlite3.Row
+        return [dict(row) for row in cursor.execute(sql, params).fetchall()]
+
+    def run(self, sql: str, params: Mapping[str, object]) -> int:
+        return self._conn.execute(sql, params).rowcount
+
+    def transaction(self) -> AbstractContextManager[object]:
+        return write_transaction(self._conn)
+
+
+class PgSql:
+    def __init__(self, conn: psycopg.Connection[DictRow]) -> None:
+        self._conn = conn
+
+    def rows(self, sql: str, params: Mapping[str, object]) -> list[Mapping[str, Any]]:
+        return list(self._conn.execute(_NAMED.sub(r"%(\1)s", sql), params).fetchall())
+
+    def run(self, sql: str, params: Mapping[str, object]) -> int:
+        return self._conn.execute(_NAMED.sub(r"%(\1)s", sql), params).rowcount
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        with self._conn.transaction():
+            yield
+
+    def transaction(self) -> AbstractContextManager[object]:
+        return self._transaction()
+
+
+_PERSON_COLUMNS = "id, email, name, password_hash, state, staff_role, created_at"
+
+
+def _person(row: Mapping[str, Any]) -> Person:
+    return Person(
+        id=row["id"],
+        email=row["email"],
+        name=row["name"],
+        password_hash=row["password_hash"],
+        state=row["state"],
+        staff_role=row["staff_role"],
+        created_at=row["created_at"],
+    )
+
+
+def _person_params(person: Person) -> dict[str, object]:
+    return {
+        "id": person.id,
+        "email": person.email.lower(),
+        "name": person.name,
+        "password_hash": person.password_hash,
+        "state": person.state,
+        "staff_role": person.staff_role,
+        "created_at": person.created_at,
+    }
+
+
+def insert_person(db: Sql, *, person: Person) -> None:
+    with db.transaction():
+        db.run(
+            f"INSERT INTO people ({_PERSON_COLUMNS}) VALUES"
+            " (:id, :email, :name, :password_hash, :state, :staff_role, :created_at)",
+            _person_params(person),
+        )
+
+
+def get_person(db: Sql, *, person_id: str) -> Person | None:
+    rows = db.rows(f"SELECT {_PERSON_COLUMNS} FROM people WHERE id = :id", {"id": person_id})
+    return _person(rows[0]) if rows else None
+
+
+def find_person(db: Sql, *, email: str) -> Person | None:
+    rows = db.rows(
+        f"SELECT {_PERSON_COLUMNS} FROM people WHERE email = :email", {"email": email.lower()}
+    )
+    return _person(rows[0]) if rows else None
+
+
+def list_people(db: Sql) -> list[Person]:
+    return [_person(r) for r in db.rows(f"SELECT {_PERSON_COLUMNS} FROM people ORDER BY email", {})]
+
+
+def update_person(db: Sql, *, person: Person) -> bool:
+    with db.transaction():
+        changed = db.run(
+            "UPDATE people SET email = :email, name = :name, password_hash = :password_hash,"
+            " state = :state, staff_role = :staff_role WHERE id = :id",
+            _person_params(person),
+        )
+    return changed == 1
+
+
+def delete_person(db: Sql, *, person_id: str) -> bool:
+    with db.transaction():
+        db.run("DELETE FROM sessions WHERE person_id = :id", {"id": person_id})
+        db.run("DELETE FROM memberships WHERE person_id = :id", {"id": person_id})
+        changed = db.run("DELETE FROM people WHERE id = :id", {"id": person_id})
+    return changed == 1
+
+
+def forget_person(db: Sql, *, person_id: str, anonymous: str, at: float) -> bool:
+    with db.transaction():
+        rows = db.rows("SELECT email FROM people WHERE id = :id", {"id": person_id})
+        if not rows:
+            return False
+        email = rows[0]["email"]
+        db.run(
+            "UPDATE keys SET owner = :anonymous, revoked_at = coalesce(revoked_at, :at)"
+            " WHERE owner = :email",
+            {"anonymous": anonymous, "email": email, "at": at},
+        )
+        db.run("DELETE FROM sessions WHERE person_id = :id", {"id": person_id})
+        db.run("DELETE FROM memberships WHERE person_id = :id", {"id": person_id})
+        db.run("DELETE FROM people WHERE id = :id", {"id": person_id})
+    return True
+
+
+def put_membership(db: Sql, *, membership: Membership) -> None:
+    with db.transaction():
+        db.run(
+            "INSERT INTO memberships (person_id, scope, scope_id, role)"
+            " VALUES (:person_id, :scope, :scope_id, :role)"
+            " ON CONFLICT (person_id, scope, scope_id) DO UPDATE SET role = excluded.role",
+            {
+                "person_id": membership.person_id,
+                "scope": membership.scope,
+                "scope_id": membership.scope_id,
+                "role": membership.role,
+            },
+        )
+
+
+def delete_membership(db: Sql, *, person_id: str, scope: str, scope_id: str) -> bool:
+    with db.transaction():
+        changed = db.run(
+            "DELETE FROM memberships WHERE person_id = :person_id AND scope = :scope"
+            " AND scope_id = :scope_id",
+            {"person_id": person_id, "scope": scope, "scope_id": scope_id},
+        )
+    return changed == 1
+
+
+def list_memberships(db: Sql, *, person_id: str | None) -> list[Membership]:
+    sql = "SELECT person_id, scope, scope_id, role FROM memberships"
+    params: dict[str, object] = {}
+    if person_id is not None:
+        sql += " WHERE person_id = :person_id"
+        params["person_id"] = person_id
+    sql += " ORDER BY person_id, scope, scope_id"
+    return [
+        Membership(
+            person_id=r["person_id"], scope=r["scope"], scope_id=r["scope_id"], role=r["role"]
+        )
+        for r in db.rows(sql, params)
+    ]
+
+
+def insert_session(db: Sql, *, session: SessionRecord) -> None:
+    with db.transaction():
+        db.run(
+            "INSERT INTO sessions (token_hash, person_id, created_at, expires_at, client)"
+            " VALUES (:token_hash, :person_id, :created_at, :expires_at, :client)",
+            {
+                "token_hash": session.token_hash,
+                "person_id": session.person_id,
+                "created_at": session.created_at,
+                "expires_at": session.expires_at,
+                "client": session.client,
+            },
+        )
+
+
+def get_session(db: Sql, *, token_hash: str) -> SessionRecord | None:
+    rows = db.rows(
+        "SELECT token_hash, person_id, created_at, expires_at, client FROM sessions"
+        " WHERE token_hash = :token_hash",
+        {"token_hash": token_hash},
+    )
+    if not rows:
+        return None
+    r = rows[0]
+    return SessionRecord(
+        token_hash=r["token_hash"],
+        person_id=r["person_id"],
+        created_at=r["created_at"],
+        expires_at=r["expires_at"],
+        client=r["client"],
+    )
+
+
+def delete_session(db: Sql, *, token_hash: str) -> bool:
+    with db.transaction():
+        changed = db.run(
+            "DELETE FROM sessions WHERE token_hash = :token_hash", {"token_hash": token_hash}
+        )
+    return changed == 1
+
+
+def delete_sessions(db: Sql, *, person_id: str, before: float | None = None) -> int:
+    """Every session of ``person_id`` (with ``before``: and any session that
+    expired before that time, of anyone)."""
+    with db.transaction():
+        changed = db.run("DELETE FROM sessions WHERE person_id = :id", {"id": person_id})
+        if before is not None:
+            db.run("DELETE FROM sessions WHERE expires_at < :before", {"before": before})
+    return changed

@@ -1,0 +1,136 @@
+"""People on the admin API and the sign-in rules behind them
+(:mod:`llmgw.admin.people`, :mod:`llmgw.auth.people`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from llmgw.auth.keys import hash_key
+from llmgw.auth.people import People, SignInRefused, TooManyAttempts
+
+if TYPE_CHECKING:
+    from tests.admin.conftest import Admin
+
+
+async def test_join_makes_an_account_in_a_project_with_a_password_shown_once(admin: Admin) -> None:
+    status, doc = await admin.call(
+        "POST", "/api/v1/people", {"email": "Ada@Example.com", "project": "Acme/ml/train"}
+    )
+    assert status == 201, doc
+    assert doc["email"] == "ada@example.com"
+    assert doc["state"] == "active"
+    assert doc["role"] == ""
+    assert doc["memberships"] == [
+        {
+            "scope": "project",
+            "id": doc["memberships"][0]["id"],
+            "path": "Acme/ml/train",
+            "role": "member",
+        }
+    ]
+    assert len(doc["password"]) >= 10
+    person = await admin.store.find_person("ada@example.com")
+    assert person is not None
+    assert person.password_hash.startswith("$argon2id$")
+    assert doc["password"] not in person.password_hash
+    status, listed = await admin.call("GET", "/api/v1/people")
+    assert status == 200
+    assert [p["email"] for p in listed["data"]] == ["ada@example.com"]
+    assert "password" not in listed["data"][0]
+    assert "password_hash" not in listed["data"][0]
+
+
+async def test_bad_input_is_refused_in_the_api_shape(admin: Admin) -> None:
+    status, doc = await admin.call("POST", "/api/v1/people", {"email": "nobody"})
+    assert status == 400
+    assert "sign-in address" in doc["error"]["message"]
+    status, doc = await admin.call("POST", "/api/v1/people", {"email": "a@b.c", "role": "king"})
+    assert status == 400
+    assert "viewer" in doc["error"]["message"]
+    status, doc = await admin.call(
+        "POST", "/api/v1/people", {"email": "a@b.c", "password": "short"}
+    )
+    assert status == 400
+    assert await admin.store.list_people() == []
+    await admin.call("POST", "/api/v1/people", {"email": "a@b.c"})
+    status, doc = await admin.call("POST", "/api/v1/people", {"email": "A@b.c"})
+    assert status == 409
+    assert doc["error"]["code"] == "person_exists"
+    status, doc = await admin.call("POST", "/api/v1/people/nobody@x.y/suspend")
+    assert status == 404
+
+
+async def test_role_suspend_reinstate_password_delete_and_forget(admin: Admin) -> None:
+    await admin.call("POST", "/api/v1/people", {"email": "ada@example.com", "password": "p" * 12})
+    status, doc = await admin.call(
+        "POST", "/api/v1/people/ada@example.com/role", {"role": "viewer"}
+    )
+    assert (status, doc["role"]) == (200, "viewer")
+    status, doc = await admin.call("POST", "/api/v1/people/ada@example.com/suspend")
+    assert doc["state"] == "suspended"
+    status, doc = await admin.call("POST", "/api/v1/people/ada@example.com/reinstate")
+    assert doc["state"] == "active"
+    status, doc = await admin.call("POST", "/api/v1/people/ada@example.com/password", {})
+    assert status == 200
+    assert len(doc["password"]) >= 10
+    status, doc = await admin.call(
+        "POST", "/api/v1/keys", {"name": "mine", "person": "ada@example.com"}
+    )
+    assert status == 201
+    key_id = doc["id"]
+    status, doc = await admin.call("POST", "/api/v1/people/ada@example.com/forget")
+    assert status == 200
+    assert doc["anonymous_id"].startswith("forgotten-")
+    key = await admin.store.get_key(key_id)
+    assert key is not None
+    assert key.owner == doc["anonymous_id"]
+    assert key.revoked_at is not None
+    assert await admin.store.list_people() == []
+    await admin.call("POST", "/api/v1/people", {"email": "bob@example.com"})
+    status, doc = await admin.call("DELETE", "/api/v1/people/bob@example.com")
+    assert (status, doc["deleted"]) == (200, True)
+
+
+async def test_sign_in_sessions_and_their_end(admin: Admin) -> None:
+    people = People(admin.store, b"k" * 32)
+    person, password = await people.join("ada@example.com")
+    _, token = await people.sign_in("ADA@example.com", password, "10.0.0.1")
+    signed = await people.session(token)
+    assert signed is not None
+    assert signed.person.id == person.id
+    assert people.check_csrf(token, people.csrf_token(token))
+    assert not people.check_csrf(token, "")
+    assert not people.check_csrf(token, people.csrf_token(token + "x"))
+    chat = await people.ensure_chat_key(signed, token)
+    await people.set_state(person.id, "suspended")
+    assert await people.session(token) is None
+    chat_key = await admin.store.find_key_by_hash(hash_key(chat))
+    assert chat_key is not None
+    assert chat_key.revoked_at is not None
+    await people.set_state(person.id, "active")
+    assert await people.session(token) is None  # reinstating does not revive a session
+    _, token = await people.sign_in("ada@example.com", password, "10.0.0.1")
+    await people.set_password(person.id, "q" * 12)
+    assert await people.session(token) is None
+    _, token = await people.sign_in("ada@example.com", "q" * 12, "10.0.0.1")
+    await people.sign_out(token)
+    assert await people.session(token) is None
+
+
+async def test_failures_lock_the_client_out_not_the_owner_elsewhere(admin: Admin) -> None:
+    people = People(admin.store, b"k" * 32)
+    _, password = await people.join("ada@example.com")
+    refusals = []
+    for _ in range(10):
+        with pytest.raises((SignInRefused, TooManyAttempts)) as info:
+            await people.sign_in("ada@example.com", "wrong password", "203.0.113.9")
+        refusals.append(type(info.value))
+    assert TooManyAttempts in refusals
+    with pytest.raises(TooManyAttempts):
+        await people.sign_in("ada@example.com", password, "203.0.113.9")
+    _, token = await people.sign_in("ada@example.com", password, "10.0.0.1")
+    assert await people.session(token) is not None
+    with pytest.raises(SignInRefused):
+        await people.sign_in("nobody@example.com", password, "10.0.0.1")
