@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import click
+import yaml
 
 from llmgw.admin.client import AsyncAdminClient
 from llmgw.agent.status_socket import STATUS_SOCKET
@@ -65,15 +66,21 @@ def find_socket(data_dir: Path, config: Path | None = None) -> Path | None:
     """The agent's status socket on this machine: the state directory of
     ``config`` (or of ``/etc/llmgw/agent.yaml``), else ``llmgw up``'s agent
     in ``data_dir``; None when none exists."""
-    from llmgw.agent.config import load_agent_yaml
-
     candidates = []
     for yaml_path in (config, AGENT_YAML):
         if yaml_path is not None and yaml_path.exists():
+            # Only its state_dir (docs/cluster.md, "The agent's file"): the
+            # rest (TLS files readable by root only) is not needed here.
             try:
-                candidates.append(load_agent_yaml(yaml_path).state_dir / STATUS_SOCKET)
-            except Exception:  # an unreadable agent.yaml: look elsewhere
-                pass
+                doc = yaml.safe_load(yaml_path.read_text()) or {}
+            except (OSError, yaml.YAMLError):
+                continue
+            state_dir = doc.get("state_dir") if isinstance(doc, dict) else None
+            folder = yaml_path.resolve().parent
+            state = (
+                folder / state_dir if isinstance(state_dir, str) and state_dir else folder / "agent"
+            )
+            candidates.append(state / STATUS_SOCKET)
     candidates.append(data_dir / "agent" / STATUS_SOCKET)
     return next((c for c in candidates if c.exists()), None)
 
