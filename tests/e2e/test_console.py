@@ -187,6 +187,14 @@ def test_a_key_created_in_the_console_works_with_the_openai_client(up: Any) -> N
     assert answer.choices[0].message.content
     with pytest.raises(openai.AuthenticationError):
         up.openai_client(timeout=60, api_key=secret[0] + "x").models.list()
+    # `keys list` reads like the console: a header, aligned columns, dates.
+    listed = up.cli("keys", "list")
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split()[:3] == ["ID", "PREFIX", "NAME"]
+    [row] = [r for r in rows if "console-made" in r]
+    assert row.index("console-made") == header.index("NAME")
+    assert re.search(r"\b20\d\d-\d\d-\d\d \d\d:\d\d\b", row), row
 
 
 def test_a_setting_is_refused_with_its_path_when_invalid_and_applied_when_valid(up: Any) -> None:
