@@ -28,6 +28,7 @@ __all__ = [
     "AdminClient",
     "AdminRefused",
     "AdminUnreachable",
+    "AsyncAdminClient",
 ]
 
 #: Deadline for one admin API call, in seconds.
@@ -147,3 +148,67 @@ class AdminClient:
             f"cannot reach the admin API at {self.base_url} ({errors.describe(exc)}); "
             "is llmgw running?"
         )
+
+
+# --- the asynchronous client, for the console (asyncio) -------------------------------
+
+
+class AsyncAdminClient:
+    """The admin API at ``base_url`` with the admin token ``key``, for a
+    long-lived asyncio program (``llmgw console``): one pooled
+    :class:`httpx.AsyncClient`, each call bounded by ``timeout_s`` seconds.
+    Same answers and errors as :class:`AdminClient`; close it with
+    :meth:`aclose` (or ``async with``)."""
+
+    def __init__(self, base_url: str, key: str, *, timeout_s: float = ADMIN_TIMEOUT_S) -> None:
+        self.base_url = base_url
+        self.key = key
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=timeout_s,
+            headers={"authorization": f"Bearer {key}"},
+        )
+
+    @classmethod
+    def from_data_dir(
+        cls, data_dir: Path, *, timeout_s: float = ADMIN_TIMEOUT_S
+    ) -> AsyncAdminClient:
+        """As :meth:`AdminClient.from_data_dir`.
+
+        Raises:
+            AdminTokenMissing: no ``admin-token`` file, or no token in it.
+        """
+        sync = AdminClient.from_data_dir(data_dir)
+        return cls(sync.base_url, sync.key, timeout_s=timeout_s)
+
+    async def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """``method path`` → the answer's JSON.
+
+        Raises:
+            AdminRefused: the API answered 400 or above.
+            AdminUnreachable: no answer within the deadline, or not JSON.
+        """
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise AdminUnreachable(
+                f"cannot reach the admin API at {self.base_url} ({errors.describe(exc)})"
+            ) from exc
+        if response.status_code >= 400:
+            raise AdminRefused.from_response(response)
+        try:
+            return response.json()
+        except ValueError:
+            raise AdminUnreachable(
+                f"the admin API answered something that is not JSON: {response.text[:200]}"
+            ) from None
+
+    async def aclose(self) -> None:
+        """Close the connections."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncAdminClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

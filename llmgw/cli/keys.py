@@ -14,7 +14,15 @@ import click
 from llmgw.admin.client import AdminClient
 from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, fingerprint, rotate_admin_token
 
-from .options import data_dir_option, json_option, path_part, print_json
+from .options import (
+    data_dir_option,
+    format_table,
+    json_option,
+    local_time,
+    local_zone,
+    path_part,
+    print_json,
+)
 
 __all__ = ["keys"]
 
@@ -253,11 +261,27 @@ def keys_list(data_dir: Path, as_json: bool) -> None:
     if as_json:
         print_json(doc)
         return
+    rows = []
     for key in doc["data"]:
         state = "revoked" if key["revoked_at"] else "live"
-        admin = " admin" if key["is_admin"] else ""
-        project = key.get("project") or "-"
-        click.echo(f"{key['id']}  {key['prefix']}…  {state}{admin}  {project}  {key['name']}")
+        if key["is_admin"]:
+            state += " admin"
+        rows.append(
+            [
+                key["id"],
+                f"{key['prefix']}…",
+                key["name"],
+                key.get("project") or "-",
+                key.get("person") or "-",
+                key.get("band") or "-",
+                state,
+                local_time(key.get("created_at"))[:16],
+                local_time(key.get("expires_at"))[:16],
+            ]
+        )
+    zone = local_zone()
+    headers = ["ID", "PREFIX", "NAME", "PROJECT", "OWNER", "BAND", "STATE"]
+    click.echo(format_table([*headers, f"CREATED ({zone})", f"EXPIRES ({zone})"], rows))
 
 
 @keys.command("revoke")

@@ -52,6 +52,7 @@ COMMANDS: Final = {
     "stop": ("serving", "stop"),
     "up": ("up", "up"),
     "users": ("users", "users"),
+    "console": ("console", "console"),
 }
 
 
@@ -72,10 +73,18 @@ class _LazyGroup(ReportingGroup):
         return command
 
 
-@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=_LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    invoke_without_command=True,
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log more.")
-def cli(verbose: bool) -> None:
-    """llmgw: a private, governed, OpenAI-compatible LLM service."""
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
+    """llmgw: a private, governed, OpenAI-compatible LLM service.
+
+    Alone, it opens the console on a control plane's machine, the node
+    console on a node (llmgw console --help)."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="llmgw: %(message)s"
@@ -85,6 +94,28 @@ def cli(verbose: bool) -> None:
     )
     for noisy in _NOISY:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if ctx.invoked_subcommand is None:
+        _alone(ctx)
+
+
+def _alone(ctx: click.Context) -> None:
+    """``llmgw`` with no arguments (:func:`llmgw.cli.console.choose`)."""
+    import os
+    from pathlib import Path
+
+    from .console import choose, find_socket, run_console, run_node_console
+    from .options import DEFAULT_DATA_DIR
+
+    data_dir = Path(os.environ.get("LLMGW_DATA_DIR", str(DEFAULT_DATA_DIR)))
+    what = choose(data_dir)
+    if what == "console":
+        run_console(data_dir, 2.0)
+    elif what == "node":
+        socket_path = find_socket(data_dir)
+        assert socket_path is not None
+        run_node_console(socket_path)
+    else:
+        click.echo(ctx.get_help())
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ def print_status(doc: dict[str, Any]) -> None:
         link = "connected" if node["connected"] else "DISCONNECTED"
         click.echo(
             f"node {node['node_id']} ({node['address']}): {link}, {node['cpu_count']} CPUs, "
-            f"{node['memory_total_mb']} MiB, {node['gpus']} GPUs"
+            f"{node['memory_total_mb'] / 1024:.1f} GiB memory, {node['gpus']} GPUs"
         )
     for model in doc.get("model_replicas", []):
         if model["external"]:

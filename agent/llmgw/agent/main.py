@@ -24,6 +24,7 @@ import os
 import random
 import signal
 import ssl
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -39,6 +40,7 @@ from . import background, discovery, protocol
 from .link import CONTROL_PLANES_FILE, AgentHandlers, ServerList, serve_link
 from .processes import STOP_GRACE_S
 from .state import default_state_dir
+from .status_socket import AgentStatus, serve_status_socket
 from .supervisor import Supervisor
 
 __all__ = ["AGENT_VERSION", "AgentConfig", "run_agent", "serve_agent"]
@@ -216,6 +218,7 @@ async def serve_agent(
 
     def on_registered(_: protocol.Registered) -> None:
         telemetry.registered.set()
+        linked_since[0] = time.time()
 
     async def stop_engines() -> int:
         count = len(supervisor.running())
@@ -234,8 +237,26 @@ async def serve_agent(
         stop_engines=stop_engines,
     )
     log.info("agent %s: state in %s", node_id, state_dir)
+    # The read-only status socket for the node console (status_socket.py).
+    linked_since = [time.time()]
+    status = AgentStatus(
+        node_id=node_id,
+        version=AGENT_VERSION,
+        state_dir=state_dir,
+        control_planes=servers.urls,
+        current=lambda: servers.current,
+        linked=telemetry.registered.is_set,
+        since=lambda: linked_since[0],
+        running=supervisor.running,
+        gpus=lambda: telemetry.gpus,
+        log_lines=lambda: list(_AGENT_LOG.lines),
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(supervisor.serve)
+        try:
+            await nursery.start(serve_status_socket, status)
+        except OSError as exc:
+            log.warning("no status socket in %s: %s", state_dir, exc)
         async with trio.open_nursery() as link_nursery:
             # serve_link returns only once config.stop is set and the link closed.
             await link_nursery.start(

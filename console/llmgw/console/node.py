@@ -1,0 +1,220 @@
+"""The node console (``llmgw console --node``, ``docs/console.md``): what
+this node's agent says of itself, read every :data:`NODE_REFRESH_S` seconds
+from its read-only status socket (:mod:`llmgw.agent.status_socket`). It needs
+neither the admin token nor a reachable control plane."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Final
+
+from prompt_toolkit.application import Application
+from prompt_toolkit.formatted_text import StyleAndTextTuples
+from prompt_toolkit.input import Input
+from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
+from prompt_toolkit.layout import HSplit, Layout, Window
+from prompt_toolkit.layout.controls import FormattedTextControl
+from prompt_toolkit.output import Output
+from prompt_toolkit.widgets import Frame
+
+from .app import STYLE
+from .format import date, duration, gib_from_bytes, gib_from_mb
+from .screens import Panel
+
+__all__ = ["NODE_REFRESH_S", "NodeConsole", "read_status", "render_node"]
+
+#: Seconds between two reads of the status socket.
+NODE_REFRESH_S: Final = 3.0
+#: Deadline of one read of the status socket, in seconds.
+READ_TIMEOUT_S: Final = 5.0
+
+
+async def read_status(socket_path: Path, timeout_s: float = READ_TIMEOUT_S) -> dict[str, Any]:
+    """The agent's status document (``llmgw.agent.status_socket``).
+
+    Raises:
+        OSError: no agent listens there (``FileNotFoundError``,
+            ``ConnectionRefusedError``), or it answered nothing readable.
+        TimeoutError: no answer within ``timeout_s``.
+    """
+    async with asyncio.timeout(timeout_s):
+        reader, writer = await asyncio.open_unix_connection(str(socket_path))
+        try:
+            raw = await reader.read()
+        finally:
+            writer.close()
+            await writer.wait_closed()
+    try:
+        doc: dict[str, Any] = json.loads(raw)
+    except ValueError:
+        raise OSError(f"the agent's status socket answered {raw[:80]!r}") from None
+    return doc
+
+
+def render_node(doc: dict[str, Any]) -> Panel:
+    """The status document as the node console's panel."""
+    panel = Panel()
+    now = doc.get("now") or time.time()
+    state = doc.get("state", "?")
+    panel.add(
+        f"Agent     {doc.get('node_id', '?')} (pid {doc.get('pid', '?')}, version "
+        f"{doc.get('version', '?')}): {state} since {date(doc.get('since'))}",
+        "class:ok" if state == "linked" else "class:warning",
+    )
+    panel.add("")
+    panel.add("Control planes", "class:header")
+    for cp in doc.get("control_planes", []):
+        answers = "answers" if cp.get("answers") else "DOES NOT ANSWER"
+        current = " (current)" if cp.get("current") else ""
+        panel.add(
+            f"  {cp.get('url')}{current}: {answers}", "" if cp.get("answers") else "class:error"
+        )
+    panel.add("")
+    panel.add("Engines", "class:header")
+    engines = doc.get("engines", [])
+    if not engines:
+        panel.add("  none")
+    for engine in engines:
+        alive = "alive" if engine.get("alive") else "PROCESS GONE"
+        gpus = ",".join(str(g) for g in engine.get("gpus", [])) or "CPU"
+        panel.add(
+            f"  {engine.get('replica_id')}  {engine.get('model')}  {engine.get('state')}  "
+            f"port {engine.get('port')}  pid {engine.get('pid')} {alive}  {gpus}",
+            "" if engine.get("alive") else "class:error",
+        )
+    panel.add("")
+    panel.add("GPUs", "class:header")
+    gpus = doc.get("gpus", [])
+    if not gpus:
+        panel.add("  none (no NVIDIA driver, or no card)")
+    for gpu in gpus:
+        panel.add(
+            f"  {gpu.get('index')}: {gpu.get('name')}  "
+            f"{gib_from_mb(gpu.get('memory_used_mb'))} of {gib_from_mb(gpu.get('memory_total_mb'))}"
+        )
+    disk = doc.get("disk") or {}
+    panel.add("")
+    panel.add(
+        f"Disk      {gib_from_bytes(disk.get('free_bytes'))} free of "
+        f"{gib_from_bytes(disk.get('total_bytes'))} ({disk.get('path')})"
+    )
+    panel.add("")
+    panel.add("Warnings and errors", "class:header")
+    warnings = doc.get("warnings", [])
+    if not warnings:
+        panel.add("  none")
+    for line in warnings[-20:]:
+        panel.add("  " + line, "class:error" if " ERROR " in line else "class:warning")
+    panel.add("")
+    panel.add(f"(read {duration(time.time() - now)} after the agent wrote it)")
+    return panel
+
+
+class NodeConsole:
+    """The node console on the status socket ``socket_path``; ``input`` and
+    ``output`` as for :class:`~llmgw.console.app.Console`.
+
+    Attributes the tests read: :attr:`doc` (the last status, or None),
+    :attr:`error` (why the last read failed, or None), :meth:`panel_text`.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        refresh_s: float = NODE_REFRESH_S,
+        input: Input | None = None,
+        output: Output | None = None,
+    ) -> None:
+        self.socket_path = socket_path
+        self.refresh_s = refresh_s
+        self.doc: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.read_at: float | None = None
+        kb = KeyBindings()
+
+        @kb.add("q")
+        @kb.add("c-c")
+        def _quit(event: KeyPressEvent) -> None:
+            event.app.exit()
+
+        body = Frame(
+            Window(FormattedTextControl(self._panel), wrap_lines=False),
+            title="This node = llmgw doctor, llmgw ctl logs NODE",
+        )
+        self.app: Application[None] = Application(
+            layout=Layout(
+                HSplit(
+                    [
+                        Window(FormattedTextControl(self._title), height=1),
+                        body,
+                        Window(
+                            FormattedTextControl(" q quit   (from the agent's status socket)"),
+                            height=1,
+                            style="class:keybar",
+                        ),
+                    ]
+                )
+            ),
+            key_bindings=kb,
+            style=STYLE,
+            full_screen=True,
+            input=input,
+            output=output,
+        )
+
+    def panel_text(self) -> str:
+        """The panel as plain text."""
+        return "".join(fragment[1] for fragment in self._panel())
+
+    def _title(self) -> StyleAndTextTuples:
+        if self.error is not None:
+            return [
+                (
+                    "class:title.down",
+                    f" llmgw node console  NO AGENT at {self.socket_path}: {self.error}; "
+                    f"retrying every {self.refresh_s:g} s",
+                )
+            ]
+        when = (
+            "-" if self.read_at is None else time.strftime("%H:%M:%S", time.localtime(self.read_at))
+        )
+        return [("class:title", f" llmgw node console  {self.socket_path}  updated {when}")]
+
+    def _panel(self) -> StyleAndTextTuples:
+        if self.doc is None:
+            return [("", "reading the agent's status…" if self.error is None else self.error)]
+        out: StyleAndTextTuples = []
+        for line in render_node(self.doc).lines:
+            out.extend(line)
+            out.append(("", "\n"))
+        return out
+
+    async def refresh(self) -> None:
+        """Read the socket once."""
+        try:
+            self.doc = await read_status(self.socket_path)
+        except (OSError, TimeoutError) as exc:
+            self.error = str(exc) or type(exc).__name__
+        else:
+            self.error = None
+            self.read_at = time.time()
+        self.app.invalidate()
+
+    async def run(self) -> None:
+        """Run until the user quits."""
+
+        async def loop() -> None:
+            while True:
+                await self.refresh()
+                await asyncio.sleep(self.refresh_s)
+
+        task = asyncio.create_task(loop())
+        try:
+            await self.app.run_async()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
