@@ -41,6 +41,8 @@ STANDIN = EngineRecipe(
 )
 #: The same package claiming another version: its probe cannot show it.
 BAD_PROBE = attrs.evolve(STANDIN, engine="badprobe", version="9.9")
+#: One for nodes with a card (the test machines have none).
+CARDS_ONLY = attrs.evolve(STANDIN, engine="cardsonly", needs_gpu=True)
 
 
 def _uv() -> str:
@@ -134,9 +136,12 @@ class Hub:
     """A control plane's agent hub that answers Register and keeps them."""
 
     registers: trio.MemorySendChannel[protocol.Register]
+    statuses: list[protocol.ShardStatus] = attrs.field(factory=list)
+    ws: trio_websocket.WebSocketConnection | None = None
 
     async def handle(self, request: trio_websocket.WebSocketRequest) -> None:
         ws = await request.accept()
+        self.ws = ws
         try:
             while True:
                 message = protocol.decode(await ws.get_message())
@@ -145,6 +150,8 @@ class Hub:
                         protocol.encode(protocol.Registered(node_id=message.node_id))
                     )
                     await self.registers.send(message)
+                elif isinstance(message, protocol.ShardStatus):
+                    self.statuses.append(message)
         except trio_websocket.ConnectionClosed:
             pass
 
@@ -168,8 +175,8 @@ async def test_the_agent_advertises_an_engine_only_once_installed_and_probed(
                 node_id="node-i",
                 state_dir=tmp_path / "state",
                 measure_bandwidth=False,
-                engine_installs=("standin", "badprobe", "nope", "vllm"),
-                recipes={"standin": STANDIN, "badprobe": BAD_PROBE, **RECIPES},
+                engine_installs=("standin", "badprobe", "nope", "cardsonly"),
+                recipes={"standin": STANDIN, "badprobe": BAD_PROBE, "cardsonly": CARDS_ONLY},
                 uv=uv,
             )
             async with trio.open_nursery() as agent:
@@ -179,10 +186,60 @@ async def test_the_agent_advertises_an_engine_only_once_installed_and_probed(
             outer.cancel_scope.cancel()
     assert register.engines == ("llamacpp", "sim", "standin")
     failures = register.engine_failures
-    assert set(failures) == {"badprobe", "nope", "vllm"}
+    assert set(failures) == {"badprobe", "nope", "cardsonly"}
     assert "probe failed: did not show version 9.9" in failures["badprobe"]
-    assert "no install recipe 'nope'" in failures["nope"]
-    assert "vllm-0.33.0 needs an NVIDIA card; this node has none" in failures["vllm"]
+    assert "no install recipe 'nope' (known: badprobe, cardsonly, standin)" in failures["nope"]
+    assert "cardsonly-6.1 needs an NVIDIA card; this node has none" in failures["cardsonly"]
     engines_dir = tmp_path / "state" / "engines"
     assert [e.key for e in installed_engines(engines_dir)] == ["standin-6.1"]
     assert not (engines_dir / "badprobe-9.9").exists()
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_a_vllm_replica_runs_the_installed_executable(tmp_path: Path) -> None:
+    """An install that provides ``vllm`` (here the stand-in's console script)
+    is what the agent runs for a vLLM replica: cowsay refuses ``serve …``
+    (it wants ``-t TEXT``),
+    and the replica's failure shows that executable's own words."""
+    uv = _uv()
+    as_vllm = attrs.evolve(STANDIN, engine="vllm")
+    send, receive = trio.open_memory_channel[protocol.Register](10)
+    hub = Hub(send)
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as outer:
+            server = await outer.start(
+                trio_websocket.serve_websocket, hub.handle, "127.0.0.1", 0, None
+            )
+            config = AgentConfig(
+                server_url=f"ws://127.0.0.1:{server.port}/agent",
+                token="agent-token-for-tests",
+                node_id="node-v",
+                state_dir=tmp_path / "state",
+                measure_bandwidth=False,
+                engine_installs=("vllm",),
+                recipes={"vllm": as_vllm},
+                uv=uv,
+            )
+            async with trio.open_nursery() as agent:
+                await agent.start(serve_agent, config)
+                register = await receive.receive()
+                assert "vllm" in register.engines
+                assert hub.ws is not None
+                profile = protocol.EngineProfile(
+                    name="qwen", engine="vllm", served_model_name="qwen", model_path="/models/qwen"
+                )
+                start = protocol.StartShard(
+                    correlation_id="c1", shard_id="s1", replica_id="r1", profile=profile, port=0
+                )
+                await hub.ws.send_message(protocol.encode(start))
+                # polled: the hub records statuses without waking anyone
+                while not any(st.state is protocol.ShardState.FAILED for st in hub.statuses):  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+                agent.cancel_scope.cancel()
+            outer.cancel_scope.cancel()
+    (failed,) = [st for st in hub.statuses if st.state is protocol.ShardState.FAILED]
+    text = failed.reason + " " + " ".join(failed.last_lines)
+    # cowsay's own argparse refusing vLLM's command line, named by the vLLM adapter
+    assert failed.reason.startswith("vllm: Cowsay: error:"), failed
+    assert "usage: Cowsay" in text, failed

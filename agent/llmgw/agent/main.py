@@ -175,9 +175,11 @@ async def serve_agent(
     servers = ServerList([config.server_url, *config.servers], path=state_dir / CONTROL_PLANES_FILE)
 
     engines_dir = config.engines_dir or state_dir / "engines"
-    engine_failures = await install_engines(config, engines_dir, has_gpu=bool(hardware.gpus))
-    installed = {e.engine: e for e in installs.installed_engines(engines_dir)}
-    engines = advertised_engines(installed.values())
+    # Filled once the supervisor holds the state directory (so two agents on
+    # one directory never install into it at once), before the first Register.
+    engine_failures: dict[str, str] = {}
+    installed: dict[str, installs.InstalledEngine] = {}
+    engines: tuple[str, ...] = BUILTIN_ENGINES
 
     def adapter_for(engine: str) -> EngineAdapter:
         vllm = installed.get("vllm")
@@ -270,6 +272,11 @@ async def serve_agent(
     log.info("agent %s: state in %s", node_id, state_dir)
     async with trio.open_nursery() as nursery:
         await nursery.start(supervisor.serve)
+        engine_failures.update(
+            await install_engines(config, engines_dir, has_gpu=bool(hardware.gpus))
+        )
+        installed.update({e.engine: e for e in installs.installed_engines(engines_dir)})
+        engines = advertised_engines(installed.values())
         async with trio.open_nursery() as link_nursery:
             # serve_link returns only once config.stop is set and the link closed.
             await link_nursery.start(
