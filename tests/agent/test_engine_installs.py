@@ -6,8 +6,10 @@ and its probe passed, and reports why when it did not."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +245,32 @@ async def test_a_vllm_replica_runs_the_installed_executable(tmp_path: Path) -> N
     # cowsay's own argparse refusing vLLM's command line, named by the vLLM adapter
     assert failed.reason.startswith("vllm: Cowsay: error:"), failed
     assert "usage: Cowsay" in text, failed
+
+
+async def test_a_launcher_environment_runs_the_bundled_launcher_with_its_own_packages(
+    tmp_path: Path,
+) -> None:
+    """``launcher_paths`` (the GPU llama.cpp recipe's way): the environment's
+    python imports llmgw's llama.cpp launcher from the agent, while a
+    package the environment has itself (here an older attrs, standing in
+    for xllamacpp's CUDA build) wins over the agent's copy."""
+    uv = _uv()
+    recipe = EngineRecipe(
+        engine="launcher",
+        version="23.1.0",
+        packages=("attrs==23.1.0",),
+        exclude_newer="2023-06-01T00:00:00Z",
+        python=sys.executable,
+        executable="python",
+        probe_args=(
+            "-c",
+            "import importlib.metadata as m, llmgw.engines.llamacpp as l; "
+            "print(l.__file__); print('attrs', m.version('attrs'))",
+        ),
+        launcher_paths=True,
+    )
+    with trio.fail_after(DEADLINE_S):
+        done = await install(recipe, tmp_path, uv=uv)
+    assert done.probe_output == "attrs 23.1.0"
+    assert importlib.metadata.version("attrs") != "23.1.0"  # the agent's own is another
+    assert RECIPES["llamacpp-cu128"].launcher_paths

@@ -195,7 +195,7 @@ class InstalledEngine:
         engine, version, variant: from its recipe.
         key: its directory name.
         executable: the absolute path the adapter runs.
-        probe_output: the probe's first output line (the version it showed).
+        probe_output: the probe's first output line showing the version.
     """
 
     engine: str
@@ -310,7 +310,7 @@ async def install(
     except BaseException:
         await trio.to_thread.run_sync(lambda: shutil.rmtree(home, ignore_errors=True))
         raise
-    first = next((line.strip() for line in out.splitlines() if line.strip()), "")
+    first = next((line.strip() for line in out.splitlines() if recipe.version in line), "")
     result = InstalledEngine(
         engine=recipe.engine,
         version=recipe.version,
