@@ -51,3 +51,12 @@ def test_other_refused_vllm_flags_name_their_reason() -> None:
         validate_model(parse_model(_vllm("--load-format", "pt")))
     with pytest.raises(CatalogError, match=r"--api-key is refused: it is a credential"):
         validate_model(parse_model(_vllm("--api-key=k")))
+
+
+def test_a_vllm_profile_on_cpu_is_refused() -> None:
+    doc = _vllm()
+    profile = doc["profiles"][0]  # type: ignore[index]
+    del profile["gpu_class"], profile["gpus"]
+    profile["min_memory_gb"] = 8
+    with pytest.raises(CatalogError, match="engine vllm runs on NVIDIA cards: give gpu_class"):
+        validate_model(parse_model(doc))
