@@ -6,6 +6,7 @@ and its probe passed, and reports why when it did not."""
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import os
 import shutil
@@ -186,6 +187,7 @@ async def test_the_agent_advertises_an_engine_only_once_installed_and_probed(
                 register = await receive.receive()
                 agent.cancel_scope.cancel()
             outer.cancel_scope.cancel()
+    gc.collect()  # trio-websocket leaves the link's socket to the GC: collect it here
     assert register.engines == ("llamacpp", "sim", "standin")
     failures = register.engine_failures
     assert set(failures) == {"badprobe", "nope", "cardsonly"}
@@ -240,6 +242,7 @@ async def test_a_vllm_replica_runs_the_installed_executable(tmp_path: Path) -> N
                     await trio.sleep(0.1)
                 agent.cancel_scope.cancel()
             outer.cancel_scope.cancel()
+    gc.collect()  # trio-websocket leaves the link's socket to the GC: collect it here
     (failed,) = [st for st in hub.statuses if st.state is protocol.ShardState.FAILED]
     text = failed.reason + " " + " ".join(failed.last_lines)
     # cowsay's own argparse refusing vLLM's command line, named by the vLLM adapter
