@@ -46,6 +46,14 @@ __all__ = ["agent"]
     "(default: ~/.local/state/llmgw/agent/NODE).",
 )
 @click.option("--llama-server", "llamacpp_bin", default=None, help="A llama-server binary to use.")
+@click.option(
+    "--install-engine",
+    "install_engines",
+    multiple=True,
+    metavar="RECIPE",
+    help="Install an engine (vllm, llamacpp-cu128) into its own environment with uv before "
+    "registering; advertised once it installed and its probe passed (repeatable).",
+)
 def agent(
     config_path: Path | None,
     server: str | None,
@@ -53,6 +61,7 @@ def agent(
     node_id: str,
     state_dir: Path | None,
     llamacpp_bin: str | None,
+    install_engines: tuple[str, ...],
 ) -> None:
     """Run a node agent until SIGINT or SIGTERM; its engines keep running and
     the next agent on the same state directory adopts them."""
@@ -79,6 +88,7 @@ def agent(
             config,
             state_dir=state_dir or config.state_dir,
             llamacpp_bin=llamacpp_bin or config.llamacpp_bin,
+            engine_installs=tuple(dict.fromkeys((*config.engine_installs, *install_engines))),
         )
         _run(config)
         return
@@ -98,6 +108,7 @@ def agent(
         node_id=node_id,
         state_dir=state_dir,
         llamacpp_bin=llamacpp_bin,
+        engine_installs=tuple(dict.fromkeys(install_engines)),
     )
     _run(config)
 

@@ -476,6 +476,11 @@ def _profile_problems(
                 f"not tp {profile.tp}, gpus {profile.gpus}"
             )
     else:
+        if profile.engine == "vllm":
+            problems.append(
+                f"{where}: engine vllm runs on NVIDIA cards: give gpu_class and gpus "
+                "(an empty gpu_class means CPU)"
+            )
         if profile.gpus:
             problems.append(
                 f"{where}.gpus is {profile.gpus} but gpu_class is empty (empty means CPU)"

@@ -103,6 +103,9 @@ class NodeInfo:
     core_bandwidth_gbps: float = attrs.field(
         default=attrs.Factory(lambda node: node.hardware.core_bandwidth_gbps, takes_self=True)
     )
+    #: Engine installs that failed on the node: recipe name -> why
+    #: (``Register.engine_failures``).
+    engine_failures: dict[str, str] = attrs.field(factory=dict)
 
 
 @attrs.define(kw_only=True)
@@ -514,6 +517,7 @@ class Cluster:
             or (previous.memory_bandwidth_gbps if previous is not None else 0.0),
             core_bandwidth_gbps=register.hardware.core_bandwidth_gbps
             or (previous.core_bandwidth_gbps if previous is not None else 0.0),
+            engine_failures=dict(register.engine_failures),
         )
         self._nodes[register.node_id] = node
         for running in register.running_shards:

@@ -313,7 +313,13 @@ def check_node(
     # (2) the engine
     if profile.engine not in ENGINES_EVERYWHERE and profile.engine not in node.engines:
         installed = ", ".join(node.engines) or "none"
-        return refuse(f"engine {profile.engine} is not installed (installed: {installed})")
+        failed = [
+            why
+            for name, why in sorted(node.engine_failures.items())
+            if name == profile.engine or name.startswith(f"{profile.engine}-")
+        ]
+        tail = f"; its install failed: {failed[0]}" if failed else ""
+        return refuse(f"engine {profile.engine} is not installed (installed: {installed}){tail}")
     # (3) the cards
     figures: dict[str, float] = {}
     chosen: tuple[int, ...] = ()

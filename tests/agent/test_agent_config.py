@@ -115,3 +115,13 @@ def test_the_interface_of_an_address_is_named() -> None:
     assert discovery.interface_of(discovery.route_address("127.0.0.1")) == "lo"
     assert discovery.interface_of("192.0.2.77") == ""
     assert discovery.interface_of("not an address") == ""
+
+
+def test_engine_installs_and_uv_come_from_the_file(tmp_path: Path) -> None:
+    path = _joined(tmp_path)
+    path.write_text(path.read_text() + "engines: {install: [vllm, llamacpp-cu128], uv: /opt/uv}\n")
+    config = agent_config(load_agent_yaml(path))
+    assert config.engine_installs == ("vllm", "llamacpp-cu128")
+    assert config.uv == "/opt/uv"
+    plain = agent_config(load_agent_yaml(_joined(tmp_path / "other")))
+    assert (plain.engine_installs, plain.uv) == ((), "uv")

@@ -24,8 +24,8 @@ def test_the_registry_builds_the_llamacpp_and_sim_adapters() -> None:
 
 
 def test_an_unknown_engine_name_lists_the_available_ones() -> None:
-    with pytest.raises(ValueError, match="unknown engine 'vllm'; available: llamacpp, sim"):
-        get_adapter("vllm")
+    with pytest.raises(ValueError, match="unknown engine 'sglang'; available: llamacpp, sim, vllm"):
+        get_adapter("sglang")
 
 
 def test_flags_are_normalised_before_matching() -> None:

@@ -7,7 +7,7 @@
     address: ""              # optional; default = the route's source address
     labels: {}               # optional
     state_dir: ""            # optional; default = agent/ beside the file
-    engines: {llamacpp: {bin: ""}}   # optional
+    engines: {llamacpp: {bin: ""}, install: [vllm], uv: ""}   # optional
 
 ``llmgw join`` writes it; ``llmgw agent --config FILE`` reads it
 (:func:`load_agent_yaml`). Unknown keys are refused with their path
@@ -72,6 +72,11 @@ class LlamacppFiles:
 @attrs.frozen(kw_only=True)
 class EngineFiles:
     llamacpp: LlamacppFiles = attrs.field(factory=LlamacppFiles)
+    #: Engine install recipes to install before registering
+    #: (:data:`~llmgw.agent.installs.RECIPES`: ``vllm``, ``llamacpp-cu128``).
+    install: tuple[str, ...] = ()
+    #: The ``uv`` executable installs run; "" = ``uv`` from ``PATH``.
+    uv: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -265,4 +270,6 @@ def agent_config(file: AgentFile) -> AgentConfig:
         node_id=file.node_id or named,
         state_dir=file.state_dir,
         llamacpp_bin=file.engines.llamacpp.bin or None,
+        engine_installs=file.engines.install,
+        uv=file.engines.uv or "uv",
     )

@@ -25,7 +25,7 @@ import random
 import signal
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
@@ -34,16 +34,25 @@ import attrs
 import trio
 
 from llmgw.engines.base import EngineAdapter
+from llmgw.engines.llamacpp import LlamaCppAdapter
 from llmgw.engines.registry import get_adapter
 
-from . import background, discovery, protocol
+from . import background, discovery, installs, protocol
 from .link import CONTROL_PLANES_FILE, AgentHandlers, ServerList, serve_link
 from .processes import STOP_GRACE_S
 from .state import default_state_dir
 from .status_socket import AgentStatus, serve_status_socket
 from .supervisor import Supervisor
 
-__all__ = ["AGENT_VERSION", "AgentConfig", "run_agent", "serve_agent"]
+__all__ = [
+    "AGENT_VERSION",
+    "BUILTIN_ENGINES",
+    "AgentConfig",
+    "advertised_engines",
+    "install_engines",
+    "run_agent",
+    "serve_agent",
+]
 
 log = logging.getLogger("llmgw.agent")
 
@@ -96,6 +105,14 @@ class AgentConfig:
         control plane logs a stop, not a lost link), then its engines stop
         (when it owns them) and :func:`serve_agent` returns. ``None``: the
         agent runs until cancelled.
+    engine_installs: names in ``recipes`` to install (each once) before
+        the agent registers (:mod:`llmgw.agent.installs`); an engine is
+        advertised in ``Register.engines`` only once installed and probed,
+        and a failed one is reported in ``Register.engine_failures``.
+    engines_dir: where installed engines live; None = ``engines/`` in the
+        state directory.
+    uv: the ``uv`` executable installs run.
+    recipes: the recipes by name (:data:`~llmgw.agent.installs.RECIPES`).
     """
 
     server_url: str
@@ -114,6 +131,10 @@ class AgentConfig:
     bandwidth_busy_cpus: float | None = None
     engine_stop_grace_s: float = STOP_GRACE_S
     stop: trio.Event | None = None
+    engine_installs: tuple[str, ...] = ()
+    engines_dir: Path | None = None
+    uv: str = "uv"
+    recipes: Mapping[str, installs.EngineRecipe] = installs.RECIPES
 
 
 @attrs.define
@@ -155,8 +176,22 @@ async def serve_agent(
     state_dir = config.state_dir or default_state_dir(node_id)
     servers = ServerList([config.server_url, *config.servers], path=state_dir / CONTROL_PLANES_FILE)
 
+    engines_dir = config.engines_dir or state_dir / "engines"
+    # Filled once the supervisor holds the state directory (so two agents on
+    # one directory never install into it at once), before the first Register.
+    engine_failures: dict[str, str] = {}
+    installed: dict[str, installs.InstalledEngine] = {}
+    engines: tuple[str, ...] = BUILTIN_ENGINES
+
     def adapter_for(engine: str) -> EngineAdapter:
-        return get_adapter(engine, llamacpp_bin=config.llamacpp_bin)
+        vllm = installed.get("vllm")
+        gpu_llamacpp = installed.get("llamacpp")
+        if engine == "llamacpp" and not config.llamacpp_bin and gpu_llamacpp and hardware.gpus:
+            # the GPU build's environment runs the bundled launcher
+            return LlamaCppAdapter(python=gpu_llamacpp.executable)
+        return get_adapter(
+            engine, llamacpp_bin=config.llamacpp_bin, vllm_bin=vllm.executable if vllm else ""
+        )
 
     supervisor = Supervisor(
         adapter_for=adapter_for,
@@ -191,8 +226,9 @@ async def serve_agent(
             labels=dict(config.labels),
             agent_version=AGENT_VERSION,
             hardware=hw,
-            engines=("llamacpp", "sim"),
+            engines=engines,
             running_shards=tuple(supervisor.running()),
+            engine_failures=dict(engine_failures),
         )
 
     async def heartbeat() -> protocol.Heartbeat:
@@ -257,6 +293,11 @@ async def serve_agent(
             await nursery.start(serve_status_socket, status)
         except OSError as exc:
             log.warning("no status socket in %s: %s", state_dir, exc)
+        engine_failures.update(
+            await install_engines(config, engines_dir, has_gpu=bool(hardware.gpus))
+        )
+        installed.update({e.engine: e for e in installs.installed_engines(engines_dir)})
+        engines = advertised_engines(installed.values())
         async with trio.open_nursery() as link_nursery:
             # serve_link returns only once config.stop is set and the link closed.
             await link_nursery.start(
@@ -390,3 +431,45 @@ class _RingHandler(logging.Handler):
 
 _AGENT_LOG = _RingHandler()
 logging.getLogger("llmgw.agent").addHandler(_AGENT_LOG)
+
+
+#: Engines every agent can run without an install: llama.cpp's CPU build
+#: (xllamacpp, a dependency of llmgw) and the sim engine.
+BUILTIN_ENGINES: Final = ("llamacpp", "sim")
+
+
+async def install_engines(
+    config: AgentConfig, engines_dir: Path, *, has_gpu: bool
+) -> dict[str, str]:
+    """Install each of ``config.engine_installs`` not yet installed
+    (:func:`~llmgw.agent.installs.install`), one after the other.
+
+    Returns:
+        recipe name -> why it is not installed (an unknown name, a recipe
+        for cards on a node without one, or the install's failure); empty
+        when every one is installed and probed.
+    """
+    failures: dict[str, str] = {}
+    for name in config.engine_installs:
+        recipe = config.recipes.get(name)
+        if recipe is None:
+            known = ", ".join(sorted(config.recipes)) or "none"
+            failures[name] = f"no install recipe {name!r} (known: {known})"
+        elif recipe.needs_gpu and not has_gpu:
+            failures[name] = f"{recipe.key} needs an NVIDIA card; this node has none"
+        else:
+            try:
+                await installs.install(recipe, engines_dir, uv=config.uv)
+            except (installs.InstallFailed, OSError) as exc:
+                failures[name] = str(exc)
+        if name in failures:
+            log.warning("engine install %s: %s", name, failures[name])
+    return failures
+
+
+def advertised_engines(installed: Iterable[installs.InstalledEngine]) -> tuple[str, ...]:
+    """``Register.engines``: :data:`BUILTIN_ENGINES` and every engine
+    installed and probed (a GPU build of a built-in adds no name), sorted."""
+    names = set(BUILTIN_ENGINES)
+    names.update(e.engine for e in installed)
+    return tuple(sorted(names))

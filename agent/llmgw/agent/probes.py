@@ -18,7 +18,7 @@ from typing import Final
 import httpx
 import trio
 
-from llmgw.engines.base import MAX_HEALTH_BODY_BYTES, body_says_ready
+from llmgw.engines.base import MAX_HEALTH_BODY_BYTES, body_says_ready, lists_model
 
 __all__ = [
     "LIVENESS_TIMEOUT_S",
@@ -26,6 +26,7 @@ __all__ = [
     "auth_headers",
     "base_url",
     "is_ready",
+    "lists_served_model",
     "port_free",
     "probe_client",
 ]
@@ -100,3 +101,24 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+async def lists_served_model(
+    client: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    served_model_name: str,
+    *,
+    timeout_s: float = PROBE_TIMEOUT_S,
+) -> bool:
+    """Whether ``GET url`` (an engine's ``/v1/models``, with its key) answers
+    200 listing ``served_model_name``
+    (:func:`~llmgw.engines.base.lists_model`) within ``timeout_s`` seconds;
+    never raises for network errors."""
+    with trio.move_on_after(timeout_s):
+        try:
+            response = await client.get(url, headers=headers)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200 and lists_model(response.content, served_model_name)
+    return False

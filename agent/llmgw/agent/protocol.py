@@ -217,6 +217,9 @@ class Register:
     running_shards: tuple[RunningShard, ...] = ()
     #: Node labels from agent.yaml, matched by profile selectors.
     labels: dict[str, str] = attrs.field(factory=dict)
+    #: Engine installs asked for that did not install: recipe name -> why
+    #: (``docs/engines.md``, Engine installs); not in ``engines``.
+    engine_failures: dict[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)

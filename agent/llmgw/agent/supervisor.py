@@ -18,7 +18,9 @@ log file and its last lines), :mod:`llmgw.agent.probes` (readiness probes),
 - a shard with ``model_sha256`` has its weights file checked first (a
   digest cache keyed by the file's identity avoids hashing it again);
 - the shard is STARTING until its health endpoint answers ready
-  (:func:`~llmgw.agent.probes.is_ready`); then READY, with the compute report
+  (:func:`~llmgw.agent.probes.is_ready`) and, for an adapter that asks
+  (vLLM), its ``/v1/models`` lists the served name
+  (:func:`~llmgw.agent.probes.lists_served_model`); then READY, with the compute report
   read from the engine's start-up output (:mod:`llmgw.agent.compute`); while
   STARTING, output (or the weights check) is reported as
   ``ShardStatus.progress`` at most every ``progress_interval_s`` so the
@@ -73,7 +75,7 @@ from llmgw.agent.processes import STOP_GRACE_S
 from llmgw.agent.protocol import ShardState, ShardStatus
 from llmgw.agent.state import ProcRecord, ShardRecord, StateDir, boot_id
 from llmgw.agent.weights import DigestCache, HashProgress
-from llmgw.engines.base import EngineAdapter, ShardLaunch, error_line
+from llmgw.engines.base import EngineAdapter, ReadyByModelList, ShardLaunch, error_line
 
 __all__ = [
     "COMPUTE_WATCH_S",
@@ -167,6 +169,9 @@ class _Shard:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     #: Set when the watcher task has finished (or never ran).
     done: trio.Event = attrs.field(factory=trio.Event)
+    #: Readiness also needs this URL (``/v1/models``) to list the served
+    #: name (vLLM: :class:`~llmgw.engines.base.ReadyByModelList`); "" = no.
+    models_url: str = ""
 
     @property
     def shard_id(self) -> str:
@@ -504,6 +509,8 @@ class Supervisor:
             # router, with the engine key.
             return f"port {launch.http_port} is in use by another process"
         shard.health_path = health_path if health_path.startswith("/") else f"/{health_path}"
+        if isinstance(adapter, ReadyByModelList):
+            shard.models_url = shard.health_url + adapter.models_path()
         shard.health_url += shard.health_path
         log_path = self._state.log_path(shard.shard_id)
         try:
@@ -760,7 +767,15 @@ class Supervisor:
         headers = probes.auth_headers(shard.api_key)
         async with probes.probe_client() as client:
             while not shard.ending:
-                if await probes.is_ready(client, shard.health_url, headers):
+                if await probes.is_ready(client, shard.health_url, headers) and (
+                    not shard.models_url
+                    or await probes.lists_served_model(
+                        client,
+                        shard.models_url,
+                        headers,
+                        shard.start.profile.served_model_name,
+                    )
+                ):
                     if shard.ending:
                         return
                     shard.output.read()  # the start-up log so far

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 import attrs
 import orjson
@@ -31,11 +31,13 @@ __all__ = [
     "NOT_READY_STATUSES",
     "Command",
     "EngineAdapter",
+    "ReadyByModelList",
     "ShardLaunch",
     "body_says_ready",
     "cuda_visible_devices",
     "engine_env",
     "error_line",
+    "lists_model",
     "short",
 ]
 
@@ -80,6 +82,9 @@ class ShardLaunch:
         cpu_cores: threads for CPU engines; 0 lets the engine decide.
         args: extra, already vetted, engine arguments.
         env: extra, already vetted, environment variables.
+        revision: the commit a Hugging Face id in ``model_path`` is pinned to,
+            for engines that download by id (vLLM's ``--revision``); "" for a
+            local path.
     """
 
     replica_id: str
@@ -94,6 +99,7 @@ class ShardLaunch:
     cpu_cores: int = 0
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = attrs.field(factory=dict)
+    revision: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -206,3 +212,26 @@ def error_line(lines: Sequence[str]) -> str:
         if not first and _ERROR_WORDS.search(line):
             first = line
     return short(first)
+
+
+@runtime_checkable
+class ReadyByModelList(Protocol):
+    """An adapter whose engine is ready only once ``GET models_path()`` (with
+    the key) lists the served model name (:func:`lists_model`), after its
+    health path answered (vLLM)."""
+
+    def models_path(self) -> str: ...
+
+
+def lists_model(body: bytes, served_model_name: str) -> bool:
+    """Whether a ``/v1/models`` answer ``body`` (OpenAI's ``{"object": "list",
+    "data": [{"id": NAME, …}]}``) lists ``served_model_name``; False for
+    anything else (not JSON, another shape, another name)."""
+    try:
+        doc = orjson.loads(body[:MAX_HEALTH_BODY_BYTES])
+    except orjson.JSONDecodeError:
+        return False
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        return False
+    return any(isinstance(m, dict) and m.get("id") == served_model_name for m in data)

@@ -1,7 +1,7 @@
 """The engine registry, and the checks on engine arguments and environment.
 
 :func:`get_adapter` names the adapters llmgw can run today (``llamacpp``,
-``sim``). :func:`check_args` and :func:`check_env` refuse what a model profile
+``sim``, ``vllm``). :func:`check_args` and :func:`check_env` refuse what a model profile
 must not pass to an engine: flags and variables that the agent sets, that
 carry credentials, that load, download, write or serve files, log prompts,
 run a model repository's code or send work to other hosts (``docs/catalog.md``:
@@ -17,6 +17,7 @@ from typing import Any
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.llamacpp import LlamaCppAdapter
 from llmgw.engines.sim.adapter import SimAdapter
+from llmgw.engines.vllm import VllmAdapter
 from llmgw.errors import InvalidInput
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 #: Engines :func:`get_adapter` can build.
-ENGINE_NAMES = ("llamacpp", "sim")
+ENGINE_NAMES = ("llamacpp", "sim", "vllm")
 
 #: Every engine name llmgw knows, in order; :func:`check_args` accepts these.
 KNOWN_ENGINE_NAMES = (
@@ -124,10 +125,52 @@ _SIM = {
     "--model": SET_BY_THE_AGENT,
 }
 
+IMPORTS_CODE = "imports Python code on the node"
+RUNS_REQUEST_TEMPLATES = "runs chat templates sent in requests"
+
+#: vLLM 0.33's refused flags (``vllm serve --help``): what the agent sets,
+#: what loads files or code, downloads, logs prompts or reaches other hosts.
 _VLLM = {
     "--load-format": LOADS_A_FILE,
     "--download-dir": DOWNLOADS_A_MODEL,
     "--tokenizer": DOWNLOADS_A_MODEL,
+    "--model": SET_BY_THE_AGENT,
+    "--served-model-name": SET_BY_THE_AGENT,
+    "--host": SET_BY_THE_AGENT,
+    "--port": SET_BY_THE_AGENT,
+    "--uds": SET_BY_THE_AGENT,
+    "--revision": SET_BY_THE_AGENT,
+    "--tensor-parallel-size": SET_BY_THE_AGENT,
+    "-tp": SET_BY_THE_AGENT,
+    "--api-key": IS_A_CREDENTIAL,
+    "--hf-token": IS_A_CREDENTIAL,
+    "--code-revision": RUNS_REMOTE_CODE,
+    "--tokenizer-revision": DOWNLOADS_A_MODEL,
+    "--hf-config-path": DOWNLOADS_A_MODEL,
+    "--speculative-config": DOWNLOADS_A_MODEL,
+    "--config": LOADS_A_FILE,
+    "--generation-config": LOADS_A_FILE,
+    "--lora-modules": LOADS_A_FILE,
+    "--log-config-file": LOADS_A_FILE,
+    "--ssl-keyfile": LOADS_A_FILE,
+    "--ssl-certfile": LOADS_A_FILE,
+    "--ssl-ca-certs": LOADS_A_FILE,
+    "--allowed-local-media-path": SERVES_FILES,
+    "--middleware": IMPORTS_CODE,
+    "--tool-parser-plugin": IMPORTS_CODE,
+    "--reasoning-parser-plugin": IMPORTS_CODE,
+    "--logits-processors": IMPORTS_CODE,
+    "--worker-cls": IMPORTS_CODE,
+    "--worker-extension-cls": IMPORTS_CODE,
+    "--trust-request-chat-template": RUNS_REQUEST_TEMPLATES,
+    "--enable-log-requests": LOGS_PROMPTS,
+    "--enable-log-outputs": LOGS_PROMPTS,
+    "--headless": SENDS_THE_MODEL_AWAY,
+    "--data-parallel-address": SENDS_THE_MODEL_AWAY,
+    "--kv-transfer-config": SENDS_THE_MODEL_AWAY,
+    "--kv-events-config": SENDS_THE_MODEL_AWAY,
+    "--otlp-traces-endpoint": SENDS_THE_MODEL_AWAY,
+    "--tool-server": SENDS_THE_MODEL_AWAY,
 }
 
 #: Engine -> refused flags (besides :data:`_EVERYWHERE`).
@@ -180,6 +223,20 @@ _REFUSED_ENV = {
     "CUDA_VISIBLE_DEVICES": SET_BY_THE_AGENT,
 }
 
+_REFUSED_ENV.update(
+    {
+        # vLLM's own (vllm/envs.py, 0.33).
+        "VLLM_USE_MODELSCOPE": DOWNLOADS_A_MODEL,
+        "VLLM_HOST_IP": SET_BY_THE_AGENT,
+        "VLLM_PORT": SET_BY_THE_AGENT,
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": LOADS_A_FILE,
+        "VLLM_SERVER_DEV_MODE": "opens development endpoints",
+        "VLLM_DEBUG_LOG_API_SERVER_RESPONSE": LOGS_PROMPTS,
+        "VLLM_CACHE_ROOT": WRITES_FILES,
+        "VLLM_CONFIG_ROOT": LOADS_A_FILE,
+    }
+)
+
 #: Name substrings that point an engine at files, code or the network.
 _REFUSED_ENV_SUBSTRINGS = {
     "PATH": LOADS_A_FILE,
@@ -195,13 +252,15 @@ _CREDENTIAL_WORDS = frozenset({"KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "
 _LLAMA_ARG_PREFIX = "LLAMA_ARG_"
 
 
-def get_adapter(name: str, *, llamacpp_bin: str | None = None) -> EngineAdapter:
+def get_adapter(name: str, *, llamacpp_bin: str | None = None, vllm_bin: str = "") -> EngineAdapter:
     """The adapter for engine ``name``.
 
     Args:
-        name: one of :data:`ENGINE_NAMES` (``llamacpp``, ``sim``).
+        name: one of :data:`ENGINE_NAMES` (``llamacpp``, ``sim``, ``vllm``).
         llamacpp_bin: a ``llama-server`` binary; None runs the bundled
             launcher (``python -m llmgw.engines.llamacpp``).
+        vllm_bin: the ``vllm`` executable (the agent's installed one);
+            "" = ``vllm`` from ``PATH``.
 
     Raises:
         InvalidInput: ``name`` is not available; the message lists those that are.
@@ -210,6 +269,8 @@ def get_adapter(name: str, *, llamacpp_bin: str | None = None) -> EngineAdapter:
         return LlamaCppAdapter(llamacpp_bin)
     if name == "sim":
         return SimAdapter()
+    if name == "vllm":
+        return VllmAdapter(bin=vllm_bin)
     raise InvalidInput(f"unknown engine {name!r}; available: {', '.join(ENGINE_NAMES)}")
 
 
@@ -225,10 +286,14 @@ def normalise_flag(arg: str) -> str:
 
 
 def _refusal(engine: str, flag: str) -> str | None:
-    refused = {**_REFUSED_FLAGS.get(engine, {}), **_EVERYWHERE}
+    refused = {**_EVERYWHERE, **_REFUSED_FLAGS.get(engine, {})}
     reason = refused.get(flag)
     if reason is not None:
         return reason
+    if engine in _ARGPARSE_ENGINES and "." in flag and flag.startswith("--"):
+        # vLLM's JSON arguments: --speculative-config.model X sets a key of
+        # --speculative-config.
+        return _refusal(engine, flag.split(".", 1)[0])
     if engine in _ARGPARSE_ENGINES and flag.startswith("--") and len(flag) >= _MIN_PREFIX:
         # argparse expands an unambiguous prefix, so refuse prefixes too.
         for name, why in refused.items():
@@ -259,7 +324,8 @@ def check_args(engine: str, args: Iterable[str]) -> None:
         flag = normalise_flag(arg)
         reason = _refusal(engine, flag)
         if reason is not None:
-            shown = flag if flag == arg else f"{flag} (given as {arg.split('=', 1)[0]})"
+            given = arg.split("=", 1)[0]
+            shown = flag if flag == given else f"{flag} (given as {given})"
             raise InvalidInput(f"{engine} argument {shown} is refused: it {reason}")
 
 
