@@ -46,6 +46,12 @@ __all__ = ["agent"]
     "(default: ~/.local/state/llmgw/agent/NODE).",
 )
 @click.option("--llama-server", "llamacpp_bin", default=None, help="A llama-server binary to use.")
+@click.option(
+    "--weights-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where models from Hugging Face or a mirror are fetched to (default: STATE_DIR/weights).",
+)
 def agent(
     config_path: Path | None,
     server: str | None,
@@ -53,6 +59,7 @@ def agent(
     node_id: str,
     state_dir: Path | None,
     llamacpp_bin: str | None,
+    weights_dir: Path | None,
 ) -> None:
     """Run a node agent until SIGINT or SIGTERM; its engines keep running and
     the next agent on the same state directory adopts them."""
@@ -79,6 +86,7 @@ def agent(
             config,
             state_dir=state_dir or config.state_dir,
             llamacpp_bin=llamacpp_bin or config.llamacpp_bin,
+            weights_dir=weights_dir or config.weights_dir,
         )
         _run(config)
         return
@@ -98,6 +106,7 @@ def agent(
         node_id=node_id,
         state_dir=state_dir,
         llamacpp_bin=llamacpp_bin,
+        weights_dir=weights_dir,
     )
     _run(config)
 

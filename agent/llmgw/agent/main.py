@@ -94,6 +94,9 @@ class AgentConfig:
         control plane logs a stop, not a lost link), then its engines stop
         (when it owns them) and :func:`serve_agent` returns. ``None``: the
         agent runs until cancelled.
+    weights_dir: where pinned model versions are fetched to
+        (``hf/<ORG>/<REPO>/<commit>/…``, ``docs/models-from-hf.md``); None =
+        ``weights/`` in the state directory.
     """
 
     server_url: str
@@ -112,6 +115,7 @@ class AgentConfig:
     bandwidth_busy_cpus: float | None = None
     engine_stop_grace_s: float = STOP_GRACE_S
     stop: trio.Event | None = None
+    weights_dir: Path | None = None
 
 
 @attrs.define
@@ -162,6 +166,7 @@ async def serve_agent(
         state_dir=state_dir,
         owns_engines=config.owns_engines,
         stop_grace_s=config.engine_stop_grace_s,
+        weights_dir=config.weights_dir or state_dir / "weights",
     )
 
     async def register() -> protocol.Register:
@@ -232,6 +237,7 @@ async def serve_agent(
         status_events=receive,
         on_registered=on_registered,
         stop_engines=stop_engines,
+        weights=supervisor.weights,
     )
     log.info("agent %s: state in %s", node_id, state_dir)
     async with trio.open_nursery() as nursery:

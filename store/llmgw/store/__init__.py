@@ -24,6 +24,8 @@ from .records import Limits as Limits
 from .records import ModelRecord as ModelRecord
 from .records import NodeCertificate as NodeCertificate
 from .records import Org as Org
+from .records import Origin as Origin
+from .records import OriginFile as OriginFile
 from .records import Profile as Profile
 from .records import Project as Project
 from .records import ProjectPath as ProjectPath
@@ -51,6 +53,8 @@ __all__ = [
     "ModelRecord",
     "NodeCertificate",
     "Org",
+    "Origin",
+    "OriginFile",
     "PostgresStore",
     "Profile",
     "Project",
