@@ -297,6 +297,11 @@ def resolve(
         raise HfError(f"{hub} has no repository {ref.repo}", param="source") from None
     except HfHubHTTPError as exc:
         raise HfError(f"{hub}: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:  # not the hub's shape
+        raise HfError(
+            f"{hub} answered {ref.repo}@{revision} with something that is not a model's info "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
     commit = str(info.sha or "")
     if not _COMMIT.match(commit):
         raise HfError(f"{hub} gave no commit for {ref.repo}@{revision}")
