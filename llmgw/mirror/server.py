@@ -274,18 +274,18 @@ class MirrorApp:
         rest = parts[2:]
         head = request.method == "HEAD"
         if not rest:
-            commit = self._resolve_commit(repo, "main")
+            commit = await self._resolve_commit(repo, "main")
             await _json(send, _model_info(commit, _flag(request, "blobs")), head=head)
         elif rest[0] == "revision" and len(rest) == 2:
-            commit = self._resolve_commit(repo, _revision(rest[1]))
+            commit = await self._resolve_commit(repo, _revision(rest[1]))
             await _json(send, _model_info(commit, _flag(request, "blobs")), head=head)
         elif rest[0] == "tree" and len(rest) >= 2:
-            commit = self._resolve_commit(repo, _revision(rest[1]))
+            commit = await self._resolve_commit(repo, _revision(rest[1]))
             folder = _path("/".join(rest[2:])) if rest[2:] else ""
             entries = _tree(commit, folder, _flag(request, "recursive"))
             await _json(send, entries, head=head, commit=commit.commit)
         elif rest == ["refs"]:
-            refs = self._call(lambda: self.store.refs(repo))
+            refs = await self._call(lambda: self.store.refs(repo))
             branches = [
                 {"name": name, "ref": f"refs/heads/{name}", "targetCommit": target}
                 for name, target in sorted(refs.items())
@@ -294,13 +294,15 @@ class MirrorApp:
         else:
             raise _Answer(404, f"no route for {request.target}")
 
-    def _resolve_commit(self, repo: str, revision: str) -> Commit:
-        commit: Commit = self._call(lambda: self.store.resolve(repo, revision))
+    async def _resolve_commit(self, repo: str, revision: str) -> Commit:
+        commit: Commit = await self._call(lambda: self.store.resolve(repo, revision))
         return commit
 
-    def _call(self, lookup: Any) -> Any:
+    async def _call(self, lookup: Callable[[], Any]) -> Any:
+        """``lookup()`` (a store read: small files) in a worker thread, its
+        misses turned into the Hub's 404s and 400s."""
         try:
-            return lookup()
+            return await trio.to_thread.run_sync(lookup)
         except MirrorNotFound as exc:
             headers = [("X-Repo-Commit", exc.commit)] if exc.commit else []
             raise _Answer(404, describe(exc), exc.code, headers) from None
@@ -313,7 +315,7 @@ class MirrorApp:
         repo = _repo(parts[0], parts[1])
         revision = _revision(parts[3])
         path = _path("/".join(parts[4:]))
-        commit = self._resolve_commit(repo, revision)
+        commit = await self._resolve_commit(repo, revision)
         stored = commit.file(path)
         if stored is None:
             raise _Answer(

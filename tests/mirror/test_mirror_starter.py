@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -151,3 +152,34 @@ async def test_a_client_that_hangs_up_is_counted_for_what_was_sent(served: Any) 
     # socket buffers when it hung up, and the rest.
     assert now < entry["size_bytes"] + (64 << 20)
     assert now >= entry["size_bytes"]
+
+
+async def test_pull_from_a_served_mirror(served: Any, cli: Any, tmp_path: Path) -> None:
+    url, _, imported = served
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=url, HF_HOME=str(tmp_path / "hf"), HF_HUB_DISABLE_XET="1")
+    second = tmp_path / "second"
+    done = await trio.to_thread.run_sync(
+        lambda: cli(
+            "mirror",
+            "pull",
+            f"hf:{REPO}@{imported['commit']}",
+            "--data-dir",
+            str(second),
+            "--json",
+            env=env,
+        )
+    )
+    assert done.returncode == 0, done.stderr
+    pulled = json.loads(done.stdout)
+    assert pulled["commit"] == imported["commit"]
+    (entry,) = pulled["files"]
+    assert entry["sha256"] == starter.EXPECTED_SHA256
+    assert (
+        await trio.to_thread.run_sync(sha256_file, Path(entry["blob"])) == starter.EXPECTED_SHA256
+    )
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as stream:
+        return hashlib.file_digest(stream, "sha256").hexdigest()
