@@ -535,6 +535,35 @@ class GuardSettings:
                     )
 
 
+def _http_urls(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+    urls = (value,) if isinstance(value, str) else value
+    for i, url in enumerate(urls):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            where = attribute.name if isinstance(value, str) else f"{attribute.name}[{i}]"
+            raise ValueError(f"{where}: {url!r} is not an http:// or https:// URL")
+
+
+def _http_url_or_empty(obj: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value:
+        _http_urls(obj, attribute, value)
+
+
+@attrs.frozen(kw_only=True)
+class WeightsSettings:
+    """Where the control plane resolves models from Hugging Face, and where
+    nodes fetch them from (``docs/models-from-hf.md``).
+
+    Attributes:
+        hf_endpoint: the hub (``https://huggingface.co`` when empty; the
+            ``HF_ENDPOINT`` variable of the control plane when set).
+        token_file: a file on the control planes holding a Hugging Face
+            token, for gated repositories ("" = none; ``HF_TOKEN`` is not read).
+    """
+
+    hf_endpoint: str = attrs.field(default="", validator=_http_url_or_empty)
+    token_file: str = ""
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """The whole settings document: ``server.yaml`` seeds it, the store
@@ -546,6 +575,10 @@ class ServerSettings:
     router: RouterSettings = attrs.field(factory=RouterSettings)
     nodes: NodesSettings = attrs.field(factory=NodesSettings)
     guard: GuardSettings = attrs.field(factory=GuardSettings)
+    #: Model mirrors (``llmgw mirror serve``), the first that answers is used
+    #: before ``weights.hf_endpoint`` (``docs/models-from-hf.md``).
+    mirrors: tuple[str, ...] = attrs.field(default=(), validator=_http_urls)
+    weights: WeightsSettings = attrs.field(factory=WeightsSettings)
 
 
 def _make_converter() -> cattrs.Converter:
@@ -622,6 +655,8 @@ def settings_from_doc(doc: Mapping[str, Any]) -> ServerSettings:
         SettingsError: an unknown key or a bad value, with the key's path.
     """
     for key, value in doc.items():
+        if key == "mirrors" and isinstance(value, list | tuple):
+            continue  # the one top-level list (model mirrors' URLs)
         if not (isinstance(value, dict) or value is None):
             raise SettingsError(f"{key!r} must be a block of settings (a mapping)")
     try:

@@ -14,7 +14,9 @@ GB):
 - replica (:func:`replica_view`): ``{"replica_id", "shard_id", "model",
   "node_id", "port", "state", "reason", "last_lines", "restarts",
   "failures", "wanted", "retiring", "stale", "compute", "profile",
-  "fingerprint", "progress", "started_at", "ready_at"}``, plus
+  "fingerprint", "progress", "started_at", "ready_at", "download"}``
+  (``download``: ``{"done_bytes", "total_bytes", "rate_bytes_per_s",
+  "phase"}`` while its node fetches the weights, else null), plus
   ``"engine_key"`` when asked for;
 - node (:func:`node_view`): ``{"node_id", "address", "connected",
   "agent_version", "last_seen", "cpu_count", "memory_total_mb",
@@ -25,7 +27,7 @@ GB):
 - model (:func:`model_view`): ``{"name", "entry" (the catalog entry as
   stored), "engine", "external", "on_demand", "stopped", "replicas":
   {"wanted", "ready", "starting", "failed"}, "waiting": {replica id: why it
-  is not placed}}``;
+  is not placed}, "downloads": [weights fetches under way]}``;
 - key (:func:`key_view`): ``{"id", "name", "prefix", "project", "person",
   "band", "created_at", "is_admin", "revoked_at", "expires_at", "limits"}``;
   limits (:func:`limits_view`): ``{"rpm", "tpm", "budget_day",
@@ -36,7 +38,7 @@ GB):
   "address", "connected", "cpu_count", "memory_total_mb",
   "memory_available_mb", "gpus" (a count), "agent_version"}], "replicas":
   [{"replica_id", "model", "node_id", "port", "state", "reason",
-  "failures", "last_lines"}], "models": [names], "model_replicas":
+  "failures", "last_lines", "download"}], "models": [names], "model_replicas":
   [{"name", "wanted", "ready", "starting", "failed", "stopped",
   "external"}], "serving": {"stopped"}, "settings_version"}``.
 """
@@ -121,7 +123,7 @@ _register(
     (
         "replica_id", "shard_id", "model", "node_id", "port", "state", "reason", "last_lines",
         "restarts", "failures", "retiring", "stale", "compute", "profile", "fingerprint",
-        "progress", "started_at", "ready_at",
+        "progress", "started_at", "ready_at", "download",
     ),
 )  # fmt: skip
 _register(
@@ -145,6 +147,7 @@ _register(
 #: The fields of a replica and of a node that ``GET /api/v1/status`` shows.
 _STATUS_REPLICA: Final = (
     "replica_id", "model", "node_id", "port", "state", "reason", "failures", "last_lines",
+    "download",
 )  # fmt: skip
 _STATUS_NODE: Final = (
     "node_id", "address", "connected", "cpu_count", "memory_total_mb", "memory_available_mb",
@@ -243,7 +246,19 @@ def model_view(model: ModelRecord, cluster: Cluster) -> dict[str, Any]:
             if replica_id.startswith(model.name)
             and _REPLICA_OF.match(replica_id[len(model.name) :])
         },
+        # Weights fetches under way for its replicas (bytes, rate, phase).
+        "downloads": downloads_view(model.name, cluster),
     }
+
+
+def downloads_view(model: str, cluster: Cluster) -> list[dict[str, Any]]:
+    """The weights fetches of ``model``'s STARTING replicas: ``[{"replica_id",
+    "node_id", "done_bytes", "total_bytes", "rate_bytes_per_s", "phase"}]``."""
+    return [
+        {"replica_id": s.replica_id, "node_id": s.node_id, **attrs.asdict(s.download)}
+        for s in sorted(cluster.shards.values(), key=lambda s: s.replica_id)
+        if s.model == model and s.download is not None
+    ]
 
 
 def limits_view(limits: Limits) -> dict[str, Any]:

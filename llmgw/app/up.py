@@ -220,6 +220,7 @@ class _AgentBeside:
             state_dir=self._data_dir / AGENT_STATE_DIR,
             engine_stop_grace_s=ENGINE_STOP_GRACE_S,
             stop=self._agent_stop,
+            weights_dir=self._data_dir / "weights",
         )
 
         async def agent_here(*, task_status: trio.TaskStatus[object]) -> None:

@@ -54,6 +54,12 @@ __all__ = ["agent"]
     help="Install an engine (vllm, llamacpp-cu128) into its own environment with uv before "
     "registering; advertised once it installed and its probe passed (repeatable).",
 )
+@click.option(
+    "--weights-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where models from Hugging Face or a mirror are fetched to (default: STATE_DIR/weights).",
+)
 def agent(
     config_path: Path | None,
     server: str | None,
@@ -62,6 +68,7 @@ def agent(
     state_dir: Path | None,
     llamacpp_bin: str | None,
     install_engines: tuple[str, ...],
+    weights_dir: Path | None,
 ) -> None:
     """Run a node agent until SIGINT or SIGTERM; its engines keep running and
     the next agent on the same state directory adopts them."""
@@ -89,6 +96,7 @@ def agent(
             state_dir=state_dir or config.state_dir,
             llamacpp_bin=llamacpp_bin or config.llamacpp_bin,
             engine_installs=tuple(dict.fromkeys((*config.engine_installs, *install_engines))),
+            weights_dir=weights_dir or config.weights_dir,
         )
         _run(config)
         return
@@ -109,6 +117,7 @@ def agent(
         state_dir=state_dir,
         llamacpp_bin=llamacpp_bin,
         engine_installs=tuple(dict.fromkeys(install_engines)),
+        weights_dir=weights_dir,
     )
     _run(config)
 

@@ -17,6 +17,7 @@ from .models import ctl_explain_placement, ctl_model, ctl_models, ctl_scale
 from .nodes import ctl_logs, ctl_nodes, ctl_replicas, node_commands
 from .serving import ctl_status
 from .usage import ctl_request, ctl_usage
+from .weights import ctl_weights
 
 __all__ = ["ctl"]
 
@@ -38,6 +39,7 @@ for _command in (
     ctl_scale,
     ctl_status,
     ctl_usage,
+    ctl_weights,
     *node_commands,
 ):
     ctl.add_command(_command)

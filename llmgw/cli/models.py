@@ -22,6 +22,7 @@ from .options import (
     path_part,
     print_json,
 )
+from .weights import download_text, model_serve, update_revision
 
 __all__ = [
     "ctl_explain_placement",
@@ -64,6 +65,10 @@ def _print_models(views: list[dict[str, Any]], system_stopped: bool) -> None:
     for view in views:
         for replica_id, reason in view.get("waiting", {}).items():
             click.echo(f"{replica_id} not placed: {reason}")
+        for download in view.get("downloads", []):
+            click.echo(
+                f"{download['replica_id']} on {download['node_id']}: {_download_text(download)}"
+            )
 
 
 @click.command("models")
@@ -228,13 +233,27 @@ def model_add(
     "-f",
     "--file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    required=True,
+    default=None,
     help="The whole new catalog entry, YAML or JSON.",
+)
+@click.option(
+    "--revision",
+    default=None,
+    help="New weights for a model served from hf:: a branch, tag or commit (default: main).",
 )
 @data_dir_option()
 @json_option()
-def model_update(name: str, file: Path, data_dir: Path, as_json: bool) -> None:
-    """Replace NAME's catalog entry with FILE's; changed profiles roll the replicas."""
+def model_update(
+    name: str, file: Path | None, revision: str | None, data_dir: Path, as_json: bool
+) -> None:
+    """Replace NAME's catalog entry with FILE's (changed profiles roll the
+    replicas), or, without -f, pin a model served from hf: to a new
+    revision and say which files changed."""
+    if file is None:
+        update_revision(name, revision, data_dir, as_json)
+        return
+    if revision is not None:
+        raise click.UsageError("give either -f FILE or --revision, not both")
     entries = _read_entries(file)
     if len(entries) != 1:
         raise click.ClickException(f"{file}: holds {len(entries)} entries; give one")
@@ -495,3 +514,12 @@ def ctl_explain_placement(model: str, data_dir: Path, as_json: bool) -> None:
         for v in doc["nodes"]
     ]
     click.echo(format_table(["NODE", "PROFILE", "FITS", "WHY"], rows))
+    for download in doc.get("downloads", []):
+        click.echo(f"{download['replica_id']} on {download['node_id']}: {_download_text(download)}")
+
+
+def _download_text(download: dict[str, Any]) -> str:
+    return download_text(download)
+
+
+ctl_model.add_command(model_serve)

@@ -75,6 +75,10 @@ def print_status(doc: dict[str, Any]) -> None:
         click.echo(f"model {model['name']}: {state}")
     for rep in doc["replicas"]:
         reason = f" — {rep['reason']}" if rep["reason"] else ""
+        if rep.get("download"):
+            from .weights import download_text
+
+            reason += f" — {download_text(rep['download'])}"
         click.echo(
             f"replica {rep['replica_id']} on {rep['node_id']}:{rep['port']}: {rep['state']}{reason}"
         )

@@ -331,8 +331,13 @@ def parse_model(doc: Mapping[str, Any]) -> ModelRecord:
                 out["external"] = _parse_external(_mapping(value, "external"))
         elif key == "scaling":
             scaling = _parse_scaling(value)
+        elif key == "origin":
+            if value is not None:
+                out["origin"] = dict(_mapping(value, "origin"))
         else:
-            known = [*_MODEL_FIELDS, "profiles", "external", "scaling", *_TOP_PROFILE_KEYS]
+            known = [
+                *_MODEL_FIELDS, "profiles", "external", "scaling", "origin", *_TOP_PROFILE_KEYS
+            ]  # fmt: skip
             raise _unknown(key, "", known)
     if "name" not in out:
         raise CatalogError("name: missing")
@@ -589,6 +594,7 @@ def validate_model(
 
     if model.sha256 and not _SHA256.match(model.sha256):
         problems.append("sha256 must be 64 hex digits")
+    problems.extend(_origin_problems(model))
     if model.routing not in ROUTING_PROFILES:
         problems.append(f"routing {model.routing!r} is not one of {', '.join(ROUTING_PROFILES)}")
     for i, fallback in enumerate(model.fallbacks):
@@ -646,3 +652,36 @@ def validate_model(
                 )
     if problems:
         raise CatalogError(problems)
+
+
+def _origin_problems(model: ModelRecord) -> list[str]:
+    """A pinned ``origin`` (``docs/models-from-hf.md``): kind ``hf``, a
+    40-hex commit, files with 64-hex digests and no pickle format, the main
+    file among them, and the ``source`` naming the same commit."""
+    origin = model.origin
+    if origin is None:
+        return []
+    problems: list[str] = []
+    if origin.kind != "hf":
+        problems.append(f"origin.kind {origin.kind!r} is not hf")
+    if not re.fullmatch(r"[0-9a-f]{40}", origin.revision):
+        problems.append("origin.revision must be a commit: 40 hex digits")
+    if not origin.files:
+        problems.append("origin.files is empty")
+    for i, file in enumerate(origin.files):
+        if not _SHA256.match(file.sha256):
+            problems.append(f"origin.files[{i}].sha256 must be 64 hex digits")
+        if file.path.lower().endswith(PICKLE_SUFFIXES) and not model.allow_pickle:
+            problems.append(
+                f"origin.files[{i}]: {file.path} is a pickle format (set allow_pickle to accept)"
+            )
+        if file.path.startswith("/") or ".." in file.path.split("/"):
+            problems.append(f"origin.files[{i}].path {file.path!r} leaves the model directory")
+    if origin.main_file and origin.main_file not in {f.path for f in origin.files}:
+        problems.append(f"origin.main_file {origin.main_file!r} is not among origin.files")
+    if not model.source.startswith(f"hf:{origin.repo}@{origin.revision}"):
+        problems.append(
+            f"source must be hf:{origin.repo}@{origin.revision}… when origin is set "
+            "(ctl model update changes both)"
+        )
+    return problems

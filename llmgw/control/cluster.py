@@ -185,6 +185,9 @@ class ShardInfo:
     cpu_cores: int = 0
     gpu_memory_mb: float = 0.0
     adopted: bool = False
+    #: The node's weights fetch for it while STARTING (bytes done, total,
+    #: rate; phase ``downloading`` or ``checking``); None otherwise.
+    download: protocol.DownloadProgress | None = None
 
     @property
     def wanted(self) -> bool:
@@ -679,6 +682,7 @@ class Cluster:
         if status.state is ShardState.STARTING and status.progress:
             shard.progress = status.progress
             shard.progress_at = self.now()
+        shard.download = status.download if status.state is ShardState.STARTING else None
         if status.state is ShardState.STARTING and shard.state is ShardState.READY:
             # Its engine stopped answering (the reason says so): out of
             # routing now; the start deadline counts from here.

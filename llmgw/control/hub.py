@@ -250,7 +250,7 @@ def _dispatch(cluster: Cluster, node_id: str, message: protocol.Message) -> None
             else:
                 log.info("shard %s on %s is %s", message.shard_id, node_id, message.state)
             cluster.shard_status(message, node_id)
-        case protocol.LogsReply():
+        case protocol.LogsReply() | protocol.WeightsReply():
             cluster.reply(message.correlation_id, message)
         case protocol.Error():
             if not (message.correlation_id and cluster.reply(message.correlation_id, message)):

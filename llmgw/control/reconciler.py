@@ -73,6 +73,7 @@ from .cluster import (
     replica_fingerprint,
     replica_id_for,
 )
+from .hf import endpoints as hf_endpoints
 from .placement import check_node, gpu_need_mb, place
 
 __all__ = [
@@ -84,6 +85,7 @@ __all__ = [
     "serve_reconciler",
     "slot_profiles",
     "wanted_replicas",
+    "weights_fetch",
 ]
 
 log = logging.getLogger("llmgw.control.reconciler")
@@ -140,13 +142,33 @@ def engine_profile(model: ModelRecord, profile: Profile) -> protocol.EngineProfi
         name=model.name,
         engine=profile.engine,
         served_model_name=model.name,
-        model_path=model.source,
-        model_sha256=model.sha256,
+        # With an origin the agent fetches the weights and sets the path.
+        model_path="" if model.origin is not None else model.source,
+        model_sha256="" if model.origin is not None else model.sha256,
         context_tokens=profile.context_tokens,
         slots=profile.slots,
         cpu_cores=profile.cpu_cores,
         args=tuple(profile.args),
         env=dict(profile.env),
+    )
+
+
+def weights_fetch(model: ModelRecord, cluster: Cluster) -> protocol.WeightsFetch | None:
+    """What the node fetches for a replica of ``model``: its pinned
+    ``origin`` with the hubs to ask (mirrors first, :func:`llmgw.control.hf.endpoints`);
+    ``None`` for a model without one."""
+    origin = model.origin
+    if origin is None or origin.kind != "hf":
+        return None
+    return protocol.WeightsFetch(
+        repo=origin.repo,
+        revision=origin.revision,
+        files=tuple(
+            protocol.WeightsFile(path=f.path, size_bytes=f.size_bytes, sha256=f.sha256)
+            for f in origin.files
+        ),
+        main_file=origin.main_file,
+        endpoints=hf_endpoints(cluster.settings),
     )
 
 
@@ -560,6 +582,7 @@ async def _start(cluster: Cluster, shard: ShardInfo, model: ModelRecord, profile
         bind_addr=node.address or "127.0.0.1",
         gpu_indices=shard.gpu_indices,
         fingerprint=shard.fingerprint,
+        weights=weights_fetch(model, cluster),
     )
     try:
         with trio.fail_after(SEND_TIMEOUT_S):

@@ -62,6 +62,8 @@ from .protocol import (
     ShardStatus,
     StartShard,
     StopShard,
+    WeightsReply,
+    WeightsRequest,
 )
 
 __all__ = [
@@ -172,6 +174,7 @@ class AgentHandlers:
         stop_engines: stops every engine of this node and says how many it
             stopped; called when the control plane refused this node's
             certificate for good (the node was removed: revoked).
+        weights: answers a ``WeightsRequest`` (``docs/models-from-hf.md``).
     """
 
     register: Callable[[], Awaitable[Register]]
@@ -182,6 +185,9 @@ class AgentHandlers:
     status_events: trio.MemoryReceiveChannel[ShardStatus]
     on_registered: Callable[[Registered], None] = lambda _: None
     stop_engines: Callable[[], Awaitable[int]] | None = None
+    #: Answers a ``WeightsRequest`` (lists, and removes, fetched weights);
+    #: ``None``: the request is answered with an error.
+    weights: Callable[[WeightsRequest], Awaitable[WeightsReply]] | None = None
 
 
 async def serve_link(
@@ -391,6 +397,14 @@ class _Session:
                         source=message.source,
                     )
                 )
+            case WeightsRequest():
+                if self._h.weights is None:
+                    await self._link.answer(
+                        errors.AgentError("this agent keeps no fetched weights"),
+                        message.correlation_id,
+                    )
+                    return
+                await self._link.send(await self._h.weights(message))
             case Error():
                 log.warning("control plane reports an error: %s", message.message)
             case _:

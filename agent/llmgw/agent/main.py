@@ -113,6 +113,9 @@ class AgentConfig:
         state directory.
     uv: the ``uv`` executable installs run.
     recipes: the recipes by name (:data:`~llmgw.agent.installs.RECIPES`).
+    weights_dir: where pinned model versions are fetched to
+        (``hf/<ORG>/<REPO>/<commit>/…``, ``docs/models-from-hf.md``); None =
+        ``weights/`` in the state directory.
     """
 
     server_url: str
@@ -135,6 +138,7 @@ class AgentConfig:
     engines_dir: Path | None = None
     uv: str = "uv"
     recipes: Mapping[str, installs.EngineRecipe] = installs.RECIPES
+    weights_dir: Path | None = None
 
 
 @attrs.define
@@ -199,6 +203,7 @@ async def serve_agent(
         state_dir=state_dir,
         owns_engines=config.owns_engines,
         stop_grace_s=config.engine_stop_grace_s,
+        weights_dir=config.weights_dir or state_dir / "weights",
     )
 
     async def register() -> protocol.Register:
@@ -271,6 +276,7 @@ async def serve_agent(
         status_events=receive,
         on_registered=on_registered,
         stop_engines=stop_engines,
+        weights=supervisor.weights,
     )
     log.info("agent %s: state in %s", node_id, state_dir)
     # The read-only status socket for the node console (status_socket.py).

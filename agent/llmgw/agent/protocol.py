@@ -41,6 +41,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "BadFrame",
     "ControlPlanes",
+    "DownloadProgress",
     "EngineProfile",
     "Error",
     "FrameTooLarge",
@@ -60,6 +61,11 @@ __all__ = [
     "StopShard",
     "UnknownMessage",
     "VersionMismatch",
+    "WeightsFetch",
+    "WeightsFile",
+    "WeightsHeld",
+    "WeightsReply",
+    "WeightsRequest",
     "decode",
     "encode",
 ]
@@ -197,6 +203,62 @@ class RunningShard:
     compute: str = ""
 
 
+@attrs.frozen(kw_only=True)
+class WeightsFile:
+    """One file of a pinned model version.
+
+    Attributes:
+        path: its path in the repository (``a/b.gguf``; no ``..``).
+        size_bytes: its size.
+        sha256: its digest, lowercase hex (the LFS sha256 the hub publishes).
+    """
+
+    path: str
+    size_bytes: int
+    sha256: str
+
+
+@attrs.frozen(kw_only=True)
+class WeightsFetch:
+    """What a node fetches before it starts a shard (``docs/models-from-hf.md``).
+
+    The files go to ``WEIGHTS_DIR/hf/<repo>/<revision>/<path>``; the engine
+    then runs on ``<main_file>`` there (a file: llama.cpp), or on the
+    directory itself when ``main_file`` is empty (vLLM).
+
+    Attributes:
+        repo: ``ORG/REPO``.
+        revision: the pinned commit, 40 hex digits.
+        files: every file to fetch, with size and sha256.
+        main_file: the file the engine loads ("" = the directory).
+        endpoints: hub endpoints to fetch from, in order (mirrors first).
+    """
+
+    repo: str
+    revision: str
+    files: tuple[WeightsFile, ...]
+    main_file: str = ""
+    endpoints: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class DownloadProgress:
+    """A weights fetch under way on a node.
+
+    Attributes:
+        done_bytes: bytes fetched (``downloading``) or hashed (``checking``)
+            so far, of ``total_bytes``.
+        total_bytes: the model's bytes.
+        rate_bytes_per_s: bytes per second over the last few seconds.
+        phase: ``downloading`` or ``checking``.
+    """
+
+    done_bytes: int
+    total_bytes: int
+    rate_bytes_per_s: float = 0.0
+    phase: str = "downloading"
+
+
 # --- agent → control plane -------------------------------------------------------
 
 
@@ -253,6 +315,9 @@ class ShardStatus:
     #: STARTING with progress (download bytes, loading): resets the start
     #: deadline. Empty on other changes.
     progress: str = ""
+    #: The weights download of a STARTING shard (phase ``downloading`` or
+    #: ``checking``); ``None`` otherwise.
+    download: DownloadProgress | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -306,6 +371,10 @@ class StartShard:
     bind_addr: str = "127.0.0.1"
     gpu_indices: tuple[int, ...] = ()
     fingerprint: str = ""
+    #: Weights the agent fetches first (into its weights directory) and then
+    #: runs the engine on, in place of ``profile.model_path``; ``None``: the
+    #: profile's local path as it is.
+    weights: WeightsFetch | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -324,6 +393,55 @@ class LogsRequest:
     lines: int = 200
 
 
+# --- weights held on a node (``ctl weights``, ``remove --purge``) ------------------
+
+
+@attrs.frozen(kw_only=True)
+class WeightsHeld:
+    """A model version llmgw fetched onto a node.
+
+    Attributes:
+        repo, revision: ``ORG/REPO`` and its commit.
+        path: its directory on the node.
+        files: how many of its files are in place.
+        size_bytes: their bytes.
+        in_use: a shard of this node runs on it.
+    """
+
+    repo: str
+    revision: str
+    path: str
+    files: int = 0
+    size_bytes: int = 0
+    in_use: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class WeightsRequest:
+    """Control plane → agent: list the weights llmgw fetched there, after
+    deleting the versions in ``remove`` (``ORG/REPO@<commit>`` each) that no
+    shard of the node runs on; only files llmgw fetched are deleted."""
+
+    correlation_id: str
+    remove: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class WeightsReply:
+    """Agent → control plane: the answer to :class:`WeightsRequest`.
+
+    Attributes:
+        held: what the node holds now.
+        removed: the paths deleted.
+        kept: versions asked to be removed but kept, with why.
+    """
+
+    correlation_id: str
+    held: tuple[WeightsHeld, ...] = ()
+    removed: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
+
+
 Message: TypeAlias = (
     Register
     | Heartbeat
@@ -335,6 +453,8 @@ Message: TypeAlias = (
     | StartShard
     | StopShard
     | LogsRequest
+    | WeightsRequest
+    | WeightsReply
 )
 
 _TYPES: Final[dict[str, type[Any]]] = {
@@ -350,6 +470,8 @@ _TYPES: Final[dict[str, type[Any]]] = {
         StartShard,
         StopShard,
         LogsRequest,
+        WeightsRequest,
+        WeightsReply,
     )
 }
 

@@ -68,8 +68,10 @@ from typing import Final, NoReturn
 import attrs
 import trio
 
+from llmgw import errors
 from llmgw.agent import probes, processes, protocol
 from llmgw.agent.compute import ComputeReport
+from llmgw.agent.fetch import WeightsFetcher, held_weights, remove_weights
 from llmgw.agent.output import TAIL_INTERVAL_S, EngineOutput, create_log
 from llmgw.agent.processes import STOP_GRACE_S
 from llmgw.agent.protocol import ShardState, ShardStatus
@@ -207,6 +209,8 @@ class Supervisor:
         stop_grace_s: seconds between SIGTERM and SIGKILL (5 by default).
         progress_interval_s: least seconds between two progress reports of
             a STARTING shard, and between two compute reports of a READY one.
+        weights_dir, fetcher: where ``StartShard.weights`` are fetched to
+            (``state_dir/weights`` by default), or the fetcher itself.
         liveness_interval_s, silent_after_s, silent_restart_s: the liveness
             probes of READY engines (:data:`LIVENESS_INTERVAL_S`,
             :data:`SILENT_AFTER_S`, :data:`SILENT_RESTART_S` by default).
@@ -233,6 +237,8 @@ class Supervisor:
         liveness_interval_s: float = LIVENESS_INTERVAL_S,
         silent_after_s: float = SILENT_AFTER_S,
         silent_restart_s: float = SILENT_RESTART_S,
+        weights_dir: Path | None = None,
+        fetcher: WeightsFetcher | None = None,
     ) -> None:
         if max_log_lines < 1:
             raise ValueError("max_log_lines must be at least 1")
@@ -253,6 +259,8 @@ class Supervisor:
         self._nursery: trio.Nursery | None = None
         #: Digests of weights files already hashed, by file identity.
         self._digests = DigestCache()
+        #: Fetches pinned model versions (``StartShard.weights``).
+        self.fetcher = fetcher or WeightsFetcher(weights_dir or state_dir / "weights")
 
     @property
     def state_dir(self) -> Path:
@@ -333,6 +341,21 @@ class Supervisor:
                 await existing.done.wait()
             shard = self._new_shard(cmd)
             self._shards[cmd.shard_id] = shard
+            if cmd.weights is not None:
+                try:
+                    reason, cmd = await self._fetch_weights(shard, cmd, nursery)
+                except BaseException:
+                    if self._shards.get(cmd.shard_id) is shard:
+                        del self._shards[cmd.shard_id]
+                    shard.state = ShardState.STOPPED
+                    shard.done.set()
+                    raise
+                if shard.ending:  # stopped while fetching; the stop reports it
+                    shard.done.set()
+                    return
+                if reason:
+                    await self._fail_to_start(shard, reason, cmd.correlation_id)
+                    return
             profile = cmd.profile
             if profile.model_sha256 and profile.model_path:
                 try:
@@ -422,6 +445,45 @@ class Supervisor:
             for shard in self._shards.values()
             if shard.state in _ACTIVE and not shard.ending
         ]
+
+    async def weights(self, ask: protocol.WeightsRequest) -> protocol.WeightsReply:
+        """Remove the versions ``ask.remove`` names that no active shard runs
+        on (only files llmgw fetched), then list what the weights directory
+        holds (:func:`~llmgw.agent.fetch.held_weights`)."""
+        in_use = {
+            f"{shard.start.weights.repo}@{shard.start.weights.revision}"
+            for shard in self._shards.values()
+            if shard.start.weights is not None and shard.state in _ACTIVE and not shard.ending
+        }
+        removed: list[str] = []
+        kept: list[str] = []
+        root = self.fetcher.weights_dir
+        for version in ask.remove:
+            repo, _, revision = version.partition("@")
+            if version in in_use:
+                kept.append(f"{version}: a shard of this node runs on it")
+                continue
+            try:
+                removed += await trio.to_thread.run_sync(remove_weights, root, repo, revision)
+            except (errors.LlmgwError, OSError) as exc:
+                kept.append(f"{version}: {exc}")
+        held = await trio.to_thread.run_sync(held_weights, root)
+        return protocol.WeightsReply(
+            correlation_id=ask.correlation_id,
+            held=tuple(
+                protocol.WeightsHeld(
+                    repo=h.repo,
+                    revision=h.revision,
+                    path=h.path,
+                    files=len(h.files),
+                    size_bytes=h.size_bytes,
+                    in_use=f"{h.repo}@{h.revision}" in in_use,
+                )
+                for h in held
+            ),
+            removed=tuple(removed),
+            kept=tuple(kept),
+        )
 
     def state(self, shard_id: str) -> ShardState | None:
         """A shard's state, or ``None`` for a shard this supervisor never ran."""
@@ -544,6 +606,77 @@ class Supervisor:
         finally:
             os.close(out)
         return ""
+
+    async def _fetch_weights(
+        self, shard: _Shard, cmd: protocol.StartShard, nursery: trio.Nursery
+    ) -> tuple[str, protocol.StartShard]:
+        """Fetch ``cmd.weights`` (:class:`~llmgw.agent.fetch.WeightsFetcher`,
+        once per node per version); the reason it could not (or ``""``) and
+        ``cmd`` with ``profile.model_path`` set to what was fetched. Reports
+        STARTING with :class:`~llmgw.agent.protocol.DownloadProgress` each
+        ``progress_interval_s`` in which bytes moved. ``("", cmd)`` when a
+        stop cancelled it (``shard.ending`` is then set)."""
+        spec = cmd.weights
+        assert spec is not None
+        outcome: list[str | Path] = []
+        try:
+            with trio.CancelScope() as scope:
+                shard.checking = scope
+                await self._emit(
+                    self._status(
+                        shard,
+                        progress=f"fetching {spec.repo}@{spec.revision[:12]}",
+                        correlation_id=cmd.correlation_id,
+                    )
+                )
+                async with trio.open_nursery() as reporting:
+                    reporting.start_soon(self._report_fetch, shard, spec.repo, spec.revision)
+                    try:
+                        outcome.append(await self.fetcher.fetch(spec, nursery))
+                    except errors.LlmgwError as exc:
+                        outcome.append(str(exc))
+                    finally:
+                        reporting.cancel_scope.cancel()
+        finally:
+            shard.checking = None
+        if not outcome:
+            return "", cmd
+        got = outcome[0]
+        if isinstance(got, str):
+            return got, cmd
+        profile = attrs.evolve(cmd.profile, model_path=str(got), model_sha256="")
+        fetched = attrs.evolve(cmd, profile=profile)
+        shard.start = attrs.evolve(fetched, api_key="")
+        return "", fetched
+
+    async def _report_fetch(self, shard: _Shard, repo: str, revision: str) -> None:
+        """STARTING with the fetch's progress whenever bytes moved since the
+        last report, at most every ``progress_interval_s``."""
+        seen = -1
+        while True:
+            await trio.sleep(min(self._progress_interval_s, 1.0))
+            now = self.fetcher.job_progress(repo, revision)
+            if now is None:
+                continue
+            download, ticks = now
+            if ticks == seen or trio.current_time() - shard.progress_at < min(
+                self._progress_interval_s, 1.0
+            ):
+                continue
+            seen = ticks
+            shard.progress_at = trio.current_time()
+            mb = 1e6
+            await self._emit(
+                attrs.evolve(
+                    self._status(
+                        shard,
+                        progress=f"{download.phase} {repo}: {download.done_bytes / mb:.1f} of "
+                        f"{download.total_bytes / mb:.1f} MB at "
+                        f"{download.rate_bytes_per_s / mb:.1f} MB/s",
+                    ),
+                    download=download,
+                )
+            )
 
     async def _check_weights(self, shard: _Shard, cmd: protocol.StartShard) -> str:
         """Check the shard's weights file against ``model_sha256``; the reason

@@ -26,6 +26,8 @@ from .records import Membership as Membership
 from .records import ModelRecord as ModelRecord
 from .records import NodeCertificate as NodeCertificate
 from .records import Org as Org
+from .records import Origin as Origin
+from .records import OriginFile as OriginFile
 from .records import Person as Person
 from .records import Profile as Profile
 from .records import Project as Project
@@ -57,6 +59,8 @@ __all__ = [
     "ModelRecord",
     "NodeCertificate",
     "Org",
+    "Origin",
+    "OriginFile",
     "Person",
     "PostgresStore",
     "Profile",

@@ -24,6 +24,8 @@ __all__ = [
     "ModelRecord",
     "NodeCertificate",
     "Org",
+    "Origin",
+    "OriginFile",
     "Person",
     "Profile",
     "Project",
@@ -315,6 +317,35 @@ class External:
 
 
 @attrs.frozen(kw_only=True)
+class OriginFile:
+    """One file of a model's pinned origin: its path in the repository,
+    its size in bytes and its sha256 (lowercase hex, the hub's LFS digest)."""
+
+    path: str
+    size_bytes: int
+    sha256: str
+
+
+@attrs.frozen(kw_only=True)
+class Origin:
+    """Where a model's weights come from, pinned (``docs/models-from-hf.md``).
+
+    Attributes:
+        kind: ``hf`` (a Hugging Face repository, or a mirror of one).
+        repo: ``ORG/REPO``.
+        revision: the commit, 40 hex digits.
+        files: every file nodes fetch, with size and digest.
+        main_file: the file the engine loads ("" = the whole directory).
+    """
+
+    kind: str = "hf"
+    repo: str
+    revision: str
+    files: tuple[OriginFile, ...] = ()
+    main_file: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class ModelRecord:
     """A catalog entry: one model and the ways to run it.
 
@@ -340,6 +371,8 @@ class ModelRecord:
         capabilities: e.g. ``("embeddings",)``.
         owner: free text.
         created_at: UTC epoch seconds.
+        origin: the pinned repository, commit and files the weights come
+            from (:class:`Origin`), or None.
     """
 
     name: str
@@ -359,6 +392,8 @@ class ModelRecord:
     capabilities: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     owner: str = ""
     created_at: float = 0.0
+    #: The pinned origin set by ``ctl model serve hf:…`` (None = none).
+    origin: Origin | None = None
 
     @classmethod
     def simple(
