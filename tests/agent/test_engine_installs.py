@@ -277,3 +277,18 @@ async def test_a_launcher_environment_runs_the_bundled_launcher_with_its_own_pac
     assert done.probe_output == "attrs 23.1.0"
     assert importlib.metadata.version("attrs") != "23.1.0"  # the agent's own is another
     assert RECIPES["llamacpp-cu128"].launcher_paths
+
+
+def test_replicas_run_the_install_of_the_recipe_asked_for() -> None:
+    from llmgw.agent.installs import InstalledEngine
+    from llmgw.agent.main import _chosen_installs
+
+    def found(version: str) -> InstalledEngine:
+        key = f"vllm-{version}"
+        return InstalledEngine(engine="vllm", version=version, key=key, executable=f"/e/{key}")
+
+    config = AgentConfig(server_url="ws://x/agent", token="t", engine_installs=("vllm",))
+    for order in ([found("0.33.0"), found("0.4.0")], [found("0.4.0"), found("0.33.0")]):
+        assert _chosen_installs(config, order)["vllm"].version == "0.33.0"
+    unasked = attrs.evolve(config, engine_installs=())
+    assert _chosen_installs(unasked, [found("0.4.0")])["vllm"].version == "0.4.0"

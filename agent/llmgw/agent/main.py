@@ -302,7 +302,7 @@ async def serve_agent(
         engine_failures.update(
             await install_engines(config, engines_dir, has_gpu=bool(hardware.gpus))
         )
-        installed.update({e.engine: e for e in installs.installed_engines(engines_dir)})
+        installed.update(_chosen_installs(config, installs.installed_engines(engines_dir)))
         engines = advertised_engines(installed.values())
         async with trio.open_nursery() as link_nursery:
             # serve_link returns only once config.stop is set and the link closed.
@@ -479,3 +479,17 @@ def advertised_engines(installed: Iterable[installs.InstalledEngine]) -> tuple[s
     names = set(BUILTIN_ENGINES)
     names.update(e.engine for e in installed)
     return tuple(sorted(names))
+
+
+def _chosen_installs(
+    config: AgentConfig, found: Iterable[installs.InstalledEngine]
+) -> dict[str, installs.InstalledEngine]:
+    """Engine name -> the install its replicas run: the one of a recipe
+    asked for (``engine_installs``), else any found (by directory name)."""
+    wanted = {config.recipes[n].key for n in config.engine_installs if n in config.recipes}
+    chosen: dict[str, installs.InstalledEngine] = {}
+    for engine in found:
+        held = chosen.get(engine.engine)
+        if held is None or held.key not in wanted:
+            chosen[engine.engine] = engine
+    return chosen

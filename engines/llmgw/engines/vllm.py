@@ -19,7 +19,8 @@ its own environment, ``docs/engines.md``). One process per shard::
   ``--max-model-len`` comes later and wins (argparse keeps the last);
 - ``--tensor-parallel-size`` is the number of cards the shard was given
   (``CUDA_VISIBLE_DEVICES`` names them), left out without cards;
-- the key travels in ``VLLM_API_KEY`` only (vLLM checks it on ``/v1/*``).
+- the key travels in ``VLLM_API_KEY`` only (vLLM checks it on ``/v1/*``,
+  not on ``/health``, ``/metrics`` nor its ``/invocations`` route).
 
 Readiness: ``GET /health`` answers 200, then ``GET /v1/models`` (with the
 key) lists the served name (:meth:`VllmAdapter.models_path`,
@@ -71,7 +72,7 @@ _LOG_PREFIX: Final = re.compile(
 def is_hub_id(source: str) -> bool:
     """Whether ``source`` reads as a Hugging Face id (``org/name``) rather than
     a local path: not empty; no leading ``/`` or ``.``; no ``://``; exactly one
-    ``/``; no ``:`` (``docs/engines.md``, Hub ids). The file system is not
+    ``/``; no ``:``. The file system is not
     looked at: the agent hands vLLM a directory it fetched, by absolute path."""
     return (
         bool(source)
