@@ -1,4 +1,4 @@
-"""``llmgw mirror serve|import|pull|list``: the model mirror (docs/mirror.md).
+"""``llmgw mirror serve|import|pull|list|verify``: the model mirror (docs/mirror.md).
 
 The data directory is ``--data-dir``, else ``$LLMGW_MIRROR_DIR``, else
 ``$XDG_DATA_HOME/llmgw/mirror`` (``~/.local/share/llmgw/mirror``).
@@ -230,3 +230,34 @@ def list_(data_dir: Path, as_json: bool) -> None:
         click.echo(f"no repositories in {data_dir}")
         return
     click.echo(format_table(["REPO", "COMMIT", "REFS", "FILES", "BYTES", "CREATED"], rows))
+
+
+@mirror.command()
+@_data_dir_option()
+@json_option()
+def verify(data_dir: Path, as_json: bool) -> None:
+    """Re-hash every stored file; list those whose bytes changed or are
+    missing (exit status 1 if any)."""
+    problems = _store(data_dir).check_blobs()
+    if as_json:
+        print_json(
+            [
+                {
+                    "sha256": p.sha256,
+                    "actual": p.actual,
+                    "blob": str(p.blob),
+                    "used_by": [{"repo": r, "commit": c, "path": f} for r, c, f in p.used_by],
+                }
+                for p in problems
+            ]
+        )
+    else:
+        for problem in problems:
+            found = "missing" if problem.actual is None else f"sha256 {problem.actual}"
+            click.echo(f"{problem.blob}: {found}, expected {problem.sha256}")
+            for repo, commit, path in problem.used_by:
+                click.echo(f"  used by {repo}@{commit} {path}")
+        if not problems:
+            click.echo("every stored file matches its sha256")
+    if problems:
+        raise SystemExit(1)

@@ -241,6 +241,12 @@ class MirrorApp:
                 await self._dispatch(request, counted_send, byte_range)
             except _Answer as answer:
                 await _error(counted_send, answer, head=scope["method"] == "HEAD")
+            except Exception as exc:  # a broken manifest, an unreadable blob
+                log.exception("mirror: %s %s failed", scope["method"], target)
+                if status[0]:
+                    raise  # the answer had started: hypercorn cuts the connection
+                failure = _Answer(500, f"the mirror failed: {describe(exc)}")
+                await _error(counted_send, failure, head=scope["method"] == "HEAD")
         finally:
             access_log.info(
                 '%s "%s %s" %d %d%s %.3fs',

@@ -364,3 +364,20 @@ async def test_pull_refuses_a_corrupt_upstream_copy(mirror: Any, cli: Any, tmp_p
     assert stored.sha256 in done.stderr
     assert MirrorStore(data_dir).repos() == []
     assert not (data_dir / "blobs" / "sha256" / stored.sha256[:2] / stored.sha256).exists()
+
+
+async def test_a_broken_manifest_is_a_500_in_the_hubs_shape(
+    mirror: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="llmgw.mirror")
+    other = mirror.store.data_dir / "repos" / "acme" / "broken"
+    await trio.Path(other / "commits").mkdir(parents=True)
+    await trio.Path(other / "refs.json").write_text(json.dumps({"main": "1" * 40}))
+    await trio.Path(other / "commits" / f"{'1' * 40}.json").write_text("{")
+    status, headers, body = await raw_request(mirror.url, "/api/models/acme/broken")
+    assert status == 500
+    assert json.loads(body)["error"].startswith("the mirror failed")
+    assert headers["x-error-message"]
+    # The server goes on answering.
+    status, _, _ = await raw_request(mirror.url, f"/api/models/{REPO}")
+    assert status == 200
