@@ -223,13 +223,13 @@ def list_(data_dir: Path, as_json: bool) -> None:
                     ",".join(names) or "-",
                     len(commit["files"]),
                     sum(f["size_bytes"] for f in commit["files"]),
-                    commit["created_at"],
+                    commit["created_at"][:19].replace("T", " "),
                 ]
             )
     if not rows:
         click.echo(f"no repositories in {data_dir}")
         return
-    click.echo(format_table(["REPO", "COMMIT", "REFS", "FILES", "BYTES", "CREATED"], rows))
+    click.echo(format_table(["REPO", "COMMIT", "REFS", "FILES", "BYTES", "CREATED (UTC)"], rows))
 
 
 @mirror.command()

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Final
-from urllib.parse import parse_qs, quote, unquote
+from urllib.parse import parse_qs, quote, unquote_to_bytes
 
 import attrs
 import orjson
@@ -403,15 +403,14 @@ class MirrorApp:
 
 
 def _segments(raw_path: bytes) -> list[str]:
-    """The URL path's parts, each percent-decoded (a ``%2F`` stays inside its
-    part); a trailing slash is dropped.
+    """The URL path's parts, each percent-decoded and read as UTF-8 (a ``%2F``
+    stays inside its part); a trailing slash is dropped.
 
     Raises:
         _Answer: 400 when the path is not ASCII or a part not UTF-8.
     """
     try:
-        text = raw_path.decode("ascii")
-        parts = [unquote(p, errors="strict") for p in text.split("/")[1:]]
+        parts = [unquote_to_bytes(p).decode("utf-8") for p in raw_path.split(b"/")[1:]]
     except UnicodeDecodeError:
         raise _Answer(400, "the URL path is not UTF-8") from None
     if parts and parts[-1] == "":

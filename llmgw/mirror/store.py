@@ -466,7 +466,7 @@ class MirrorStore:
         new = Commit(
             repo=repo,
             commit=commit_id,
-            created_at=dt.datetime.now(dt.UTC).replace(microsecond=0),
+            created_at=dt.datetime.now(dt.UTC),
             source=source,
             files=tuple(listed),
         )

@@ -101,10 +101,13 @@ async def test_huggingface_hub_reads_the_mirror(mirror: Any, hf_run: Any) -> Non
     assert got["siblings"] == {p: [len(d), wanted[p]] for p, d in mirror.files.items()}
     assert {e["path"]: e["lfs"] for e in got["tree"] if e["kind"] == "RepoFile"} == wanted
     assert {e["path"] for e in got["tree"] if e["kind"] == "RepoFolder"} == {
+        "notes",
         "tokenizer",
         "tokenizer/extra",
     }
-    assert got["top"] == sorted([".gitattributes", "config.json", "model.safetensors", "tokenizer"])
+    assert got["top"] == sorted(
+        [".gitattributes", "config.json", "model.safetensors", "notes", "tokenizer"]
+    )
     assert got["sub"] == ["tokenizer/extra", "tokenizer/tokenizer.json"]
     assert got["one"] == wanted["tokenizer/extra/merges.txt"]
     assert got["snap"] == wanted
