@@ -65,6 +65,8 @@ log = logging.getLogger("llmgw.mirror")
 
 _RANGE: Final = re.compile(r"bytes=(\d*)-(\d*)")
 _TRUE: Final = frozenset({"1", "true", "True"})
+#: A request body read (and dropped) before the answer is 413.
+_MAX_BODY_BYTES: Final = 1 << 16
 
 
 class RangeNotSatisfiable(InvalidInput):
@@ -207,8 +209,12 @@ class MirrorApp:
             return
         if scope["type"] != "http":
             return
-        while (await receive()).get("more_body", False):
-            pass  # no route takes a body
+        body_bytes = 0
+        while True:  # no route takes a body: read and drop it, up to a bound
+            message = await receive()
+            body_bytes += len(message.get("body", b""))
+            if not message.get("more_body", False) or body_bytes > _MAX_BODY_BYTES:
+                break
         sent = [0]
         status = [0]
         byte_range: list[str] = []
@@ -238,6 +244,10 @@ class MirrorApp:
                     target=target,
                     receive=receive,
                 )
+                if body_bytes > _MAX_BODY_BYTES:
+                    raise _Answer(
+                        413, f"the mirror takes no request body over {_MAX_BODY_BYTES} bytes"
+                    )
                 await self._dispatch(request, counted_send, byte_range)
             except _Answer as answer:
                 await _error(counted_send, answer, head=scope["method"] == "HEAD")

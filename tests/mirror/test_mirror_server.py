@@ -22,18 +22,18 @@ REPO = "acme/tiny-model"
 
 
 async def raw_request(
-    url: str, target: str, method: str = "GET"
+    url: str, target: str, method: str = "GET", body: bytes = b""
 ) -> tuple[int, dict[str, str], bytes]:
-    """Send ``METHOD target`` as written (no client normalises it); status,
-    headers (lower-case names) and body."""
+    """Send ``METHOD target`` as written (no client normalises it), with
+    ``body``; status, headers (lower-case names) and body."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with trio.fail_after(30):
         stream = await trio.open_tcp_stream(host, int(port))
         async with stream:
             await stream.send_all(
-                f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode(
-                    "latin-1"
-                )
+                f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
+                + body
             )
             data = b""
             while chunk := await stream.receive_some():
@@ -227,6 +227,16 @@ async def test_ranges_and_headers(mirror: Any) -> None:
     assert entry["requests"] == 4
     assert entry["sha256"] == sha256
     assert entry["commit"] == mirror.commit.commit
+
+
+async def test_a_request_body_is_refused(mirror: Any) -> None:
+    target = f"/{REPO}/resolve/main/config.json"
+    status, headers, _ = await raw_request(mirror.url, target, "POST", b"x" * 10)
+    assert status == 405
+    assert headers["allow"] == "GET, HEAD"
+    status, _, body = await raw_request(mirror.url, target, "POST", b"x" * 100_000)
+    assert status == 413
+    assert "no request body" in json.loads(body)["error"]
 
 
 async def test_huggingface_hub_resumes_with_a_range(
