@@ -6,6 +6,7 @@ The data directory is ``--data-dir``, else ``$LLMGW_MIRROR_DIR``, else
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -66,6 +67,10 @@ def _commit_json(store: Any, commit: Any) -> dict[str, Any]:
 def mirror() -> None:
     """The model mirror: pinned, immutable model versions served as the
     Hugging Face Hub's API (point HF_ENDPOINT at it)."""
+    # huggingface_hub's HTTP client logs each request at INFO; shown with -v.
+    if logging.getLogger().level > logging.DEBUG:
+        for noisy in ("httpx2", "httpcore2"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @mirror.command()
@@ -138,7 +143,10 @@ def import_(
     else:
         if path is None or repo is None:
             raise click.UsageError("give PATH and --as ORG/REPO (or --starter)")
-        commit = store.import_path(path, repo, revision=revision, expected_sha256=expected)
+        try:
+            commit = store.import_path(path, repo, revision=revision, expected_sha256=expected)
+        except OSError as exc:  # an unreadable source, a full disk
+            raise click.ClickException(errors.describe(exc)) from None
     if as_json:
         print_json(_commit_json(store, commit))
         return
@@ -179,14 +187,17 @@ def pull(
     from llmgw.mirror.pull import pull as pull_commit
 
     store = _store(data_dir)
-    commit = pull_commit(
-        store,
-        parse_hf_source(source),
-        endpoint=endpoint,
-        include=include,
-        allow_pickle=allow_pickle,
-        say=_say,
-    )
+    try:
+        commit = pull_commit(
+            store,
+            parse_hf_source(source),
+            endpoint=endpoint,
+            include=include,
+            allow_pickle=allow_pickle,
+            say=_say,
+        )
+    except OSError as exc:  # the data directory: unwritable, full
+        raise click.ClickException(f"{data_dir}: {errors.describe(exc)}") from None
     if as_json:
         print_json(_commit_json(store, commit))
         return

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import textwrap
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -394,3 +395,24 @@ async def test_a_broken_manifest_is_a_500_in_the_hubs_shape(
     # The server goes on answering.
     status, _, _ = await raw_request(mirror.url, f"/api/models/{REPO}")
     assert status == 200
+
+
+async def test_pull_of_what_the_upstream_lacks_or_cannot_answer(
+    mirror: Any, cli: Any, tmp_path: Path
+) -> None:
+    import os
+
+    data_dir = tmp_path / "second"
+    for endpoint, source in (
+        (mirror.url, "hf:acme/nope@main"),
+        ("http://127.0.0.1:1", f"hf:{REPO}"),
+    ):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"))
+        done = await trio.to_thread.run_sync(
+            partial(cli, "mirror", "pull", source, "--data-dir", str(data_dir), env=env)
+        )
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.startswith(f"Error: {endpoint}: "), done.stderr
+        assert "Traceback" not in done.stderr
+    assert MirrorStore(data_dir).repos() == []
