@@ -72,7 +72,18 @@ def test_the_admin_api_answers_as_its_document_says(case: schemathesis.Case[Any]
 
 @pytest.fixture(scope="module")
 def up_for_writes(start_module_up: Callable[..., Any]) -> Any:
-    return start_module_up("--engine", "sim", "--model-name", "sim-model")
+    # The hub for `POST /api/v1/models/serve` is a closed local port: this
+    # machine has no internet, and a refusal answers at once.
+    return start_module_up(
+        "--engine",
+        "sim",
+        "--model-name",
+        "sim-model",
+        settings={
+            "auth": {"default_rpm": 1_000_000, "default_tpm": 10**10},
+            "weights": {"hf_endpoint": "http://127.0.0.1:9"},
+        },
+    )
 
 
 @ADMIN_WRITES.parametrize()
