@@ -177,7 +177,9 @@ class People:
         self._auth = authenticator
         self.session_ttl_s = session_ttl_s
         self.failures = Failures()
-        self._dummy = hash_password(secrets.token_urlsafe(16))
+        #: What an unknown address is checked against (made on first need,
+        #: in a worker thread, with the same parameters as real hashes).
+        self._dummy = ""
 
     # --- accounts --------------------------------------------------------
     async def join(
@@ -328,6 +330,8 @@ class People:
             raise TooManyAttempts(
                 "Too many failed sign-ins from this address; try again in 15 minutes."
             )
+        if not self._dummy:
+            self._dummy = await self._hash(secrets.token_urlsafe(16))
         person = await self._store.find_person(address)
         stored = person.password_hash if person is not None else "!"
         usable = not stored.startswith("!")

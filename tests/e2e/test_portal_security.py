@@ -1,0 +1,341 @@
+"""The portal's security rules against a real ``llmgw up --engine sim``,
+through httpx from several client addresses (127.0.0.x): CSRF, sign-out,
+ids of other projects, lockout per client, sign-in timing, suspension, and a
+key made on the Keys page working through the ``openai`` client
+(``docs/portal.md``)."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "admin@localhost"
+ADMIN_PASSWORD = "admin password 1"
+MODEL = "sim-portal"
+STARTUP_S = 120.0
+
+
+class Portal:
+    """A running ``llmgw up`` with its addresses."""
+
+    def __init__(self, data_dir: Path, process: subprocess.Popen[bytes], log: Path) -> None:
+        self.data_dir = data_dir
+        self.process = process
+        self.log = log
+        self.api = ""
+        self.admin = ""
+        self.browsers: list[Browser] = []
+        self.closing: list[openai.OpenAI] = []
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.api}"
+
+    def admin_api(self, method: str, path: str, body: object = None) -> httpx.Response:
+        token = (self.data_dir / "admin-token").read_text().strip()
+        return httpx.request(
+            method,
+            f"http://{self.admin}{path}",
+            json=body,
+            headers={"authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+
+    def browser(self, client_ip: str = "127.0.0.1") -> Browser:
+        made = Browser(self.base, client_ip)
+        self.browsers.append(made)
+        return made
+
+    def close_browsers(self) -> None:
+        for browser in self.browsers:
+            browser.http.close()
+        self.browsers.clear()
+        for client in self.closing:
+            client.close()
+        self.closing.clear()
+
+
+class Browser:
+    """An httpx client that keeps cookies, from one loopback address."""
+
+    def __init__(self, base: str, client_ip: str) -> None:
+        self.http = httpx.Client(
+            base_url=base,
+            transport=httpx.HTTPTransport(local_address=client_ip),
+            timeout=30,
+            follow_redirects=False,
+        )
+
+    def sign_in(self, email: str, password: str) -> httpx.Response:
+        page = self.http.get("/portal/sign-in")
+        token = _hidden(page.text, "csrf")
+        return self.http.post(
+            "/portal/sign-in", data={"csrf": token, "email": email, "password": password}
+        )
+
+    def csrf(self, path: str = "/portal/keys") -> str:
+        page = self.http.get(path)
+        assert page.status_code == 200, page.text
+        return _hidden(page.text, "csrf")
+
+    def make_key(self, name: str, where: str = "") -> tuple[str, str]:
+        page = self.http.post(
+            "/portal/keys", data={"csrf": self.csrf(), "name": name, "where": where}
+        )
+        assert page.status_code == 200, page.text
+        secret = re.search(r'<p class="secret" id="secret">([^<]+)</p>', page.text)
+        assert secret is not None, page.text
+        key_id = re.findall(r'data-key-id="(key_[0-9a-f]+)"', page.text)[0]
+        return key_id, html.unescape(secret.group(1))
+
+
+def _hidden(text: str, name: str) -> str:
+    found = re.search(rf'name="{name}" value="([^"]*)"', text)
+    assert found is not None, text
+    return html.unescape(found.group(1))
+
+
+def _wait(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def portal(
+    tmp_path_factory: pytest.TempPathFactory, up_argv: Callable[..., list[str]]
+) -> Iterator[Portal]:
+    data_dir = tmp_path_factory.mktemp("portal") / "data"
+    log = data_dir.parent / "up.log"
+    env = {**os.environ, "LLMGW_ADMIN_PASSWORD": ADMIN_PASSWORD}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            up_argv(data_dir, "--engine", "sim", "--model-name", MODEL),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+    found = Portal(data_dir, process, log)
+    try:
+
+        def ready() -> bool:
+            assert process.poll() is None, log.read_text()
+            run = data_dir / "run.json"
+            if not run.exists():
+                return False
+            doc = json.loads(run.read_text() or "{}")
+            found.api, found.admin = doc.get("api", ""), doc.get("admin", "")
+            try:
+                return httpx.get(f"{found.base}/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait(ready, STARTUP_S, "llmgw up")
+        yield found
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+@pytest.fixture(autouse=True)
+def _close_browsers(portal: Portal) -> Iterator[None]:
+    yield
+    portal.close_browsers()
+
+
+def _join(portal: Portal, email: str, project: str, role: str = "member") -> str:
+    response = portal.admin_api(
+        "POST",
+        "/api/v1/people",
+        {"email": email, "project": project, "member_role": role, "password": "pw of " + email},
+    )
+    assert response.status_code in (201, 409), response.text
+    return "pw of " + email
+
+
+def test_the_first_admin_signs_in_and_sees_admin_pages(portal: Portal) -> None:
+    browser = portal.browser()
+    assert browser.http.get("/portal/keys").headers["location"].startswith("/portal/sign-in")
+    signed = browser.sign_in(ADMIN, ADMIN_PASSWORD)
+    assert signed.status_code == 303, signed.text
+    cookie = signed.headers["set-cookie"]
+    assert "HttpOnly" in cookie
+    assert "SameSite=Lax" in cookie
+    assert "Secure" not in cookie  # plain http on loopback
+    page = browser.http.get("/admin/people")
+    assert page.status_code == 200
+    assert 'id="invite"' in page.text
+
+
+def test_forms_without_or_with_a_wrong_csrf_token_are_refused(portal: Portal) -> None:
+    password = _join(portal, "csrf@example.com", "Acme/ml/csrf")
+    browser = portal.browser()
+    assert browser.sign_in("csrf@example.com", password).status_code == 303
+    before = len(portal.admin_api("GET", "/api/v1/keys").json()["data"])
+    missing = browser.http.post("/portal/keys", data={"name": "no token"})
+    wrong = browser.http.post("/portal/keys", data={"name": "bad token", "csrf": "x" * 43})
+    other = portal.browser()
+    other.sign_in(ADMIN, ADMIN_PASSWORD)
+    foreign = browser.http.post(
+        "/portal/keys", data={"name": "someone else's", "csrf": other.csrf()}
+    )
+    assert (missing.status_code, wrong.status_code, foreign.status_code) == (403, 403, 403)
+    assert len(portal.admin_api("GET", "/api/v1/keys").json()["data"]) == before
+    stale_sign_in = portal.browser().http.post(
+        "/portal/sign-in", data={"email": ADMIN, "password": ADMIN_PASSWORD, "csrf": "x"}
+    )
+    assert stale_sign_in.status_code == 403
+    assert "llmgw_session" not in stale_sign_in.headers.get("set-cookie", "")
+    key_id, _ = browser.make_key("with token")
+    assert key_id.startswith("key_")
+
+
+def test_a_session_cookie_is_refused_after_sign_out(portal: Portal) -> None:
+    password = _join(portal, "out@example.com", "Acme/ml/out")
+    browser = portal.browser()
+    browser.sign_in("out@example.com", password)
+    cookie = browser.http.cookies["llmgw_session"]
+    assert browser.http.get("/portal/keys").status_code == 200
+    out = browser.http.post("/portal/sign-out", data={"csrf": browser.csrf()})
+    assert out.status_code == 303
+    replay = httpx.get(f"{portal.base}/portal/keys", cookies={"llmgw_session": cookie}, timeout=30)
+    assert replay.status_code == 303
+    assert replay.headers["location"].startswith("/portal/sign-in")
+
+
+def test_a_person_cannot_read_or_revoke_another_projects_keys_or_usage(portal: Portal) -> None:
+    ada_pw = _join(portal, "ada@example.com", "Acme/ml/ada-proj", role="manager")
+    bob_pw = _join(portal, "bob@example.com", "Acme/ml/bob-proj", role="manager")
+    ada, bob = portal.browser(), portal.browser()
+    ada.sign_in("ada@example.com", ada_pw)
+    bob.sign_in("bob@example.com", bob_pw)
+    tree = {p["path"]: p for p in portal.admin_api("GET", "/api/v1/tree").json()["data"]}
+    bob_project = tree["Acme/ml/bob-proj"]["project_id"]
+    ada_project = tree["Acme/ml/ada-proj"]["project_id"]
+    bob_key, _ = bob.make_key("bob's", where=bob_project)
+    keys_page = ada.http.get("/portal/keys")
+    assert bob_key not in keys_page.text
+    revoke = ada.http.post(f"/portal/keys/{bob_key}/revoke", data={"csrf": ada.csrf()})
+    assert revoke.status_code == 404
+    keys = {k["id"]: k for k in portal.admin_api("GET", "/api/v1/keys").json()["data"]}
+    assert keys[bob_key]["revoked_at"] is None
+    assert ada.http.get(f"/portal/usage?project={bob_project}").status_code == 404
+    assert ada.http.get(f"/portal/usage.csv?project={bob_project}").status_code == 404
+    assert ada.http.get(f"/portal/usage?project={ada_project}").status_code == 200
+    assert ada.http.get("/admin/people").status_code == 403  # no staff role
+    # The owner can.
+    mine = bob.http.post(f"/portal/keys/{bob_key}/revoke", data={"csrf": bob.csrf()})
+    assert mine.status_code == 303
+
+
+def test_ten_wrong_passwords_from_one_client_do_not_lock_out_another(portal: Portal) -> None:
+    password = _join(portal, "owner@example.com", "Acme/ml/owner")
+    attacker = portal.browser("127.0.0.2")
+    statuses = [
+        attacker.sign_in("owner@example.com", "not the password").status_code for _ in range(10)
+    ]
+    assert statuses[0] == 401
+    assert statuses[-1] == 429
+    assert attacker.sign_in("owner@example.com", password).status_code == 429
+    owner = portal.browser("127.0.0.3")
+    assert owner.sign_in("owner@example.com", password).status_code == 303
+    assert owner.http.get("/portal/chat").status_code == 200
+
+
+def test_sign_in_time_does_not_tell_whether_an_address_exists(portal: Portal) -> None:
+    _join(portal, "timed@example.com", "Acme/ml/timed")
+    known: list[float] = []
+    unknown: list[float] = []
+    for round_ in range(12):
+        # A fresh client address per pair of tries, so no lockout interferes.
+        browser = portal.browser(f"127.0.1.{round_ + 1}")
+        for email, into in (("timed@example.com", known), ("nobody@example.com", unknown)):
+            page = browser.http.get("/portal/sign-in")
+            token = _hidden(page.text, "csrf")
+            started = time.perf_counter()
+            answer = browser.http.post(
+                "/portal/sign-in", data={"csrf": token, "email": email, "password": "wrong pw!"}
+            )
+            into.append(time.perf_counter() - started)
+            assert answer.status_code == 401
+            assert "Wrong address or password." in answer.text
+    print(
+        f"\nsign-in timing over {len(known)} tries each: known address median "
+        f"{statistics.median(known) * 1000:.1f} ms (min {min(known) * 1000:.1f}, max "
+        f"{max(known) * 1000:.1f}); unknown address median "
+        f"{statistics.median(unknown) * 1000:.1f} ms (min {min(unknown) * 1000:.1f}, max "
+        f"{max(unknown) * 1000:.1f})"
+    )
+
+
+def test_a_suspended_persons_session_and_chat_key_stop_at_once(portal: Portal) -> None:
+    password = _join(portal, "sus@example.com", "Acme/ml/sus")
+    browser = portal.browser()
+    browser.sign_in("sus@example.com", password)
+    chat = browser.http.get("/portal/chat")
+    chat_key = html.unescape(re.search(r'data-key="([^"]+)"', chat.text).group(1))  # type: ignore[union-attr]
+    client = openai.OpenAI(base_url=f"{portal.base}/v1", api_key=chat_key, max_retries=0)
+    portal.closing.append(client)
+    assert client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8
+    ).choices
+    assert portal.admin_api("POST", "/api/v1/people/sus@example.com/suspend").status_code == 200
+    after = browser.http.get("/portal/chat")
+    assert after.status_code == 303
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+    portal.admin_api("POST", "/api/v1/people/sus@example.com/reinstate")
+    assert browser.http.get("/portal/chat").status_code == 303  # the old session stays ended
+
+
+def test_a_key_made_on_the_keys_page_works_and_its_request_shows_in_usage(portal: Portal) -> None:
+    password = _join(portal, "use@example.com", "Acme/ml/use")
+    browser = portal.browser()
+    browser.sign_in("use@example.com", password)
+    tree = {p["path"]: p for p in portal.admin_api("GET", "/api/v1/tree").json()["data"]}
+    _, secret = browser.make_key("laptop", where=tree["Acme/ml/use"]["project_id"])
+    client = openai.OpenAI(base_url=f"{portal.base}/v1", api_key=secret, max_retries=0)
+    portal.closing.append(client)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8
+    )
+    assert raw.parse().choices
+    request_id = raw.headers["x-request-id"]
+    _wait(
+        lambda: request_id in browser.http.get("/portal/usage").text,
+        30,
+        "the request on the usage page",
+    )
+    exported = browser.http.get("/portal/usage.csv")
+    assert exported.headers["content-type"].startswith("text/csv")
+    assert request_id in exported.text
+    assert browser.http.get("/portal/models").text.count(MODEL) >= 1
+    connect = browser.http.get("/portal/connect").text
+    assert f"{portal.base}/v1" in connect
