@@ -17,15 +17,15 @@ __all__ = ["PAGE_PREFIXES", "App", "is_page", "with_pages"]
 
 App = Callable[..., Awaitable[None]]
 
-#: Paths the pages answer (besides ``/`` itself).
-PAGE_PREFIXES: Final = ("/portal/", "/static/", "/admin")
+#: Paths the pages answer below (besides ``/`` and ``/admin`` themselves).
+PAGE_PREFIXES: Final = ("/portal/", "/static/", "/admin/")
 
 
 def is_page(path: str) -> bool:
     """Whether ``path`` belongs to the pages (never a ``/v1`` or ``/api`` path)."""
     if path.startswith("/v1/") or path.startswith("/api/"):
         return False
-    return path == "/" or path.startswith(PAGE_PREFIXES)
+    return path in ("/", "/admin") or path.startswith(PAGE_PREFIXES)
 
 
 class with_pages:

@@ -7,8 +7,11 @@ key made on the Keys page working through the ``openai`` client
 from __future__ import annotations
 
 import html
+import json
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -221,3 +224,47 @@ def test_a_key_made_on_the_keys_page_works_and_its_request_shows_in_usage(portal
     assert browser.http.get("/portal/models").text.count(MODEL) >= 1
     connect = browser.http.get("/portal/connect").text
     assert f"{portal.base}/v1" in connect
+
+
+def _users(portal: Portal, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw.cli", "users", *args, "--data-dir", str(portal.data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_llmgw_users_joins_sets_roles_suspends_and_forgets(portal: Portal) -> None:
+    joined = _users(
+        portal, "join", "cli@example.com", "--project", "Acme/cli/p", "--member-role", "manager"
+    )
+    assert joined.returncode == 0, joined.stderr
+    lines = joined.stdout.splitlines()
+    assert "manager of project Acme/cli/p" in lines[0]
+    password = lines[1]
+    assert "shown only this once" in joined.stderr
+    browser = portal.browser()
+    assert browser.sign_in("cli@example.com", password).status_code == 303
+    role = _users(portal, "role", "cli@example.com", "operator", "--json")
+    assert json.loads(role.stdout)["role"] == "operator"
+    assert _users(portal, "suspend", "cli@example.com").returncode == 0
+    assert browser.http.get("/portal/keys").status_code == 303
+    assert browser.sign_in("cli@example.com", password).status_code == 403
+    assert _users(portal, "reinstate", "cli@example.com").returncode == 0
+    changed = _users(portal, "password", "cli@example.com", "--password", "a new password")
+    assert changed.returncode == 0, changed.stderr
+    assert browser.sign_in("cli@example.com", password).status_code == 401
+    assert browser.sign_in("cli@example.com", "a new password").status_code == 303
+    key_id, _ = browser.make_key("to forget")
+    forgotten = _users(portal, "forget", "cli@example.com", "--json")
+    anonymous = json.loads(forgotten.stdout)["anonymous_id"]
+    keys = {k["id"]: k for k in portal.admin_api("GET", "/api/v1/keys").json()["data"]}
+    assert keys[key_id]["person"] == anonymous
+    assert keys[key_id]["revoked_at"] is not None
+    listed = _users(portal, "list", "--json")
+    assert "cli@example.com" not in listed.stdout
+    missing = _users(portal, "suspend", "cli@example.com")
+    assert missing.returncode == 1
+    assert "no person" in missing.stderr
