@@ -58,7 +58,14 @@ async def test_the_dispatch_hands_each_scope_to_one_app_unchanged() -> None:
     v1 = {"type": "http", "path": "/v1/chat/completions"}
     page = {"type": "http", "path": "/portal/keys"}
     lifespan = {"type": "lifespan"}
+
+    async def receive() -> Any:
+        raise AssertionError("not read")
+
+    async def send(message: Any) -> None:
+        raise AssertionError("not sent")
+
     for scope in (v1, page, lifespan):
-        await both(scope, None, None)
+        await both(scope, receive, send)
     assert seen == [("api", v1), ("pages", page), ("api", lifespan)]
     assert seen[0][1] is v1
