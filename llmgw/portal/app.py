@@ -4,7 +4,9 @@ never passes through it) and on the admin listener.
 
 Pages:
 
-- ``/portal/sign-in`` (GET, POST), ``/portal/sign-out`` (POST);
+- ``/portal/sign-in`` (GET, POST), ``/portal/sign-out`` (POST),
+  ``/portal/sign-up`` (GET, POST; only while ``auth.signup_open``: the
+  account then awaits approval);
 - ``/portal/chat``, ``/portal/keys`` (+ POST make, POST ``…/KEY/revoke``),
   ``/portal/connect``, ``/portal/usage`` (+ ``/portal/usage.csv``),
   ``/portal/models``;
@@ -12,6 +14,9 @@ Pages:
   people with a staff role; each renders only the forms the role may submit
   (:data:`CAN`), and each POST checks the role again;
 - ``/static/<hashed name>`` (:mod:`llmgw.portal.assets`); ``/`` redirects.
+
+On the client port every page answers 404 while ``portal.enabled`` is
+false; the Connect page shows ``portal.external_url`` when it is set.
 
 Every POST carries the session's CSRF token (the sign-in form a
 double-submit token in a cookie); without it, or with a wrong one, it is
@@ -141,6 +146,14 @@ def make_portal_app(
         )
         return Response(body, content_type="text/html; charset=utf-8")
 
+    @app.before_request
+    async def portal_enabled() -> Any:
+        if not admin_listener and not cluster.settings.portal.enabled:
+            return Response(
+                "The portal is turned off (portal.enabled).", status=404, content_type="text/plain"
+            )
+        return None
+
     @app.after_request
     async def headers(response: Response) -> Response:
         response.headers.setdefault("Content-Security-Policy", _CSP)
@@ -189,6 +202,7 @@ def make_portal_app(
                 signin_csrf=token,
                 next=_safe_next(nxt),
                 email=email,
+                signup_open=cluster.settings.auth.signup_open,
             )
             response.status_code = status
             response.set_cookie(
@@ -215,8 +229,11 @@ def make_portal_app(
         if not cookie or not secrets.compare_digest(cookie, presented):
             return await signin_form("The sign-in form was stale; please try again.", 403)
         email = form.get("email", "")
+        ttl_s = cluster.settings.auth.session_ttl
         try:
-            person, token = await people.sign_in(email, form.get("password", ""), client())
+            person, token = await people.sign_in(
+                email, form.get("password", ""), client(), ttl_s=ttl_s
+            )
         except errors.Refused as exc:
             return await signin_form(str(exc), exc.status, email=email)
         target = _safe_next(form.get("next", "")) or (
@@ -228,7 +245,7 @@ def make_portal_app(
         response.set_cookie(
             SESSION_COOKIE,
             token,
-            max_age=int(people.session_ttl_s),
+            max_age=int(ttl_s),
             httponly=True,
             samesite="Lax",
             secure=secure(),
@@ -236,6 +253,50 @@ def make_portal_app(
         )
         response.delete_cookie(_SIGNIN_COOKIE, path="/portal/sign-in")
         return response
+
+    @app.get("/portal/sign-up")
+    async def sign_up_page() -> Any:
+        if not cluster.settings.auth.signup_open:
+            raise _Refused(404, "Sign-up is closed: ask an administrator for an account.")
+        return await signup_form()
+
+    def signup_form(message: str = "", error: str = "", status: int = 200) -> Any:
+        async def render() -> Any:
+            token = secrets.token_urlsafe(24)
+            response = await page(
+                "sign_up.html", "Sign up", signin_csrf=token, message=message, error=error
+            )
+            response.status_code = status
+            response.set_cookie(
+                _SIGNIN_COOKIE,
+                token,
+                httponly=True,
+                samesite="Strict",
+                secure=secure(),
+                path="/portal/sign-up",
+            )
+            return response
+
+        return render()
+
+    @app.post("/portal/sign-up")
+    async def sign_up() -> Any:
+        if not cluster.settings.auth.signup_open:
+            raise _Refused(404, "Sign-up is closed: ask an administrator for an account.")
+        form = await request.form
+        cookie = request.cookies.get(_SIGNIN_COOKIE, "")
+        if not cookie or not secrets.compare_digest(cookie, form.get("csrf", "")):
+            return await signup_form(
+                error="The sign-up form was stale; please try again.", status=403
+            )
+        try:
+            await people.sign_up(form.get("email", ""), form.get("password", ""))
+        except errors.InvalidInput as exc:
+            return await signup_form(error=str(exc), status=400)
+        return await signup_form(
+            message="Thank you. If this address may have an account, it now awaits approval;"
+            " you can sign in once an administrator approves it."
+        )
 
     @app.post("/portal/sign-out")
     async def sign_out() -> Any:
@@ -346,7 +407,9 @@ def make_portal_app(
     @app.get("/portal/connect")
     async def connect() -> Any:
         await signed_in()
-        base = f"{request.scheme}://{request.host}"
+        base = cluster.settings.portal.external_url.rstrip("/") or (
+            f"{request.scheme}://{request.host}"
+        )
         models = usable_models(g.signed)
         model = models[0].name if models else "MODEL"
         return await page(

@@ -268,3 +268,48 @@ def test_llmgw_users_joins_sets_roles_suspends_and_forgets(portal: Portal) -> No
     missing = _users(portal, "suspend", "cli@example.com")
     assert missing.returncode == 1
     assert "no person" in missing.stderr
+
+
+def _setting(portal: Portal, key: str, value: object) -> None:
+    response = portal.admin_api("PATCH", "/api/v1/config", {"key": key, "value": value})
+    assert response.status_code == 200, response.text
+
+
+def test_sign_up_external_url_and_the_portal_switch_follow_the_live_settings(
+    portal: Portal,
+) -> None:
+    browser = portal.browser("127.0.0.4")
+    assert browser.http.get("/portal/sign-up").status_code == 404
+    _setting(portal, "auth.signup_open", True)
+    page = wait(
+        lambda: (r := browser.http.get("/portal/sign-up")).status_code == 200 and r,
+        30,
+        "sign-up open",
+    )
+    token = hidden(page.text, "csrf")
+    asked = browser.http.post(
+        "/portal/sign-up",
+        data={"csrf": token, "email": "new@example.com", "password": "a long password"},
+    )
+    assert asked.status_code == 200
+    assert "awaits approval" in asked.text
+    assert browser.sign_in("new@example.com", "a long password").status_code == 403
+    assert portal.admin_api("POST", "/api/v1/people/new@example.com/approve").status_code == 200
+    assert browser.sign_in("new@example.com", "a long password").status_code == 303
+    _setting(portal, "auth.signup_open", False)
+
+    _setting(portal, "portal.external_url", "https://llm.example.com")
+    wait(
+        lambda: "https://llm.example.com/v1" in browser.http.get("/portal/connect").text,
+        30,
+        "the external address on the connect page",
+    )
+    bad = portal.admin_api("PATCH", "/api/v1/config", {"key": "portal.external_url", "value": "x"})
+    assert bad.status_code == 400
+    assert "external_url" in bad.text
+
+    _setting(portal, "portal.enabled", False)
+    wait(lambda: browser.http.get("/").status_code == 404, 30, "the portal off")
+    assert httpx.get(f"{portal.base}/health", timeout=30).status_code == 200
+    _setting(portal, "portal.enabled", True)
+    wait(lambda: browser.http.get("/").status_code == 303, 30, "the portal on")
