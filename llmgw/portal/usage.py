@@ -16,7 +16,7 @@ from llmgw.store import Store, UsageRow
 __all__ = ["Day", "bar_chart", "daily", "money", "rows_for", "to_csv"]
 
 DAY_S = 86_400.0
-#: Most raw rows one page reads (the export pages through them).
+#: Most raw rows one page reads (the newest).
 MAX_ROWS = 50_000
 
 
@@ -39,20 +39,13 @@ async def rows_for(
     project_id: str | None = None,
 ) -> list[UsageRow]:
     """The usage rows since ``since`` (UTC epoch s) of ``key_ids`` or of
-    ``project_id``, oldest first (at most :data:`MAX_ROWS`)."""
-    found: list[UsageRow] = []
-    after = ""
-    while len(found) < MAX_ROWS:
-        page = await store.export_usage(since, None, after_request_id=after, limit=1000)
-        for row in page:
-            if (key_ids is not None and row.key_id in key_ids) or (
-                project_id is not None and row.project_id == project_id
-            ):
-                found.append(row)
-        if len(page) < 1000:
-            break
-        after = page[-1].request_id
-    return found
+    ``project_id``, oldest first (the newest :data:`MAX_ROWS`)."""
+    return await store.usage_of(
+        since,
+        key_ids=None if key_ids is None else sorted(key_ids),
+        project_id=project_id,
+        limit=MAX_ROWS,
+    )
 
 
 def daily(rows: Sequence[UsageRow], days: int, now: float | None = None) -> list[Day]:
