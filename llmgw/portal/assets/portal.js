@@ -92,10 +92,29 @@
         var fresh = new DOMParser().parseFromString(html, "text/html");
         regions.forEach(function (region) {
           var replacement = fresh.getElementById(region.id);
-          if (replacement && !region.contains(document.activeElement)) { region.innerHTML = replacement.innerHTML; }
+          if (replacement && !region.contains(document.activeElement) && !edited(region)) {
+            region.innerHTML = replacement.innerHTML;
+          }
         });
       }).catch(function () {});
     }, parseInt(document.body.getAttribute("data-refresh-ms") || "10000", 10));
+  }
+
+  // Whether a field in ``region`` holds something the person typed or chose
+  // and has not sent yet: then the region is left as it is.
+  function edited(region) {
+    var fields = region.querySelectorAll("input, textarea, select");
+    for (var i = 0; i < fields.length; i++) {
+      var field = fields[i];
+      if (field.tagName === "SELECT") {
+        for (var j = 0; j < field.options.length; j++) {
+          if (field.options[j].selected !== field.options[j].defaultSelected) { return true; }
+        }
+      } else if (field.type !== "hidden" && field.value !== field.defaultValue) {
+        return true;
+      }
+    }
+    return false;
   }
 
   document.addEventListener("click", function (event) {
