@@ -22,6 +22,8 @@ for example::
       cache_ttl: 5s              # key lookups trusted this long
       usage_sync_interval: 0.2s  # usage journal fdatasync at most this often; 0 = before each answer's end
       usage_retain_days: 90      # raw usage rows kept this long; hourly and daily sums kept for good
+      session_ttl: 12h           # a portal session's life (docs/portal.md)
+      signup_open: false         # the portal's sign-up page makes accounts awaiting approval
 
 Durations are numbers of seconds or strings like ``45s``, ``30m``, ``12h``,
 ``90d``. ``llmgw up`` reads ``DATA_DIR/server.yaml`` when it exists (or
@@ -63,6 +65,7 @@ __all__ = [
     "GuardSettings",
     "NodesSettings",
     "OnDemandSettings",
+    "PortalSettings",
     "Price",
     "RouterSettings",
     "ServerSettings",
@@ -234,6 +237,13 @@ class AuthSettings:
     cache_ttl: float = _duration_field(5.0)
     usage_sync_interval: float = _duration_field(0.2)
     usage_retain_days: int = attrs.field(default=90, validator=attrs.validators.ge(1))
+    #: How long a portal session lasts (docs/portal.md).
+    session_ttl: float = attrs.field(
+        default=12 * 3600.0, converter=parse_duration_s, validator=_longer_than_zero
+    )
+    #: Anyone may ask for an account on the portal's sign-up page; it then
+    #: awaits approval (``llmgw users approve``).
+    signup_open: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -564,6 +574,29 @@ class WeightsSettings:
     token_file: str = ""
 
 
+def _external_url(_: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value and not re.match(r"^https?://[^/\s?#]+(/[^\s?#]*)?$", value):
+        raise ValueError(
+            f"{attribute.name}: {value!r} is not an http:// or https:// address like "
+            "https://llm.example.com"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class PortalSettings:
+    """``portal``: the web pages on the client port (``docs/portal.md``).
+
+    Attributes:
+        enabled: serve the portal on the client port (the admin listener's
+            ``/admin`` pages stay either way).
+        external_url: the gateway's address as people reach it, for the
+            "Connect your editor" page; ``""`` = the address the browser used.
+    """
+
+    enabled: bool = True
+    external_url: str = attrs.field(default="", validator=_external_url)
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """The whole settings document: ``server.yaml`` seeds it, the store
@@ -579,6 +612,7 @@ class ServerSettings:
     #: before ``weights.hf_endpoint`` (``docs/models-from-hf.md``).
     mirrors: tuple[str, ...] = attrs.field(default=(), validator=_http_urls)
     weights: WeightsSettings = attrs.field(factory=WeightsSettings)
+    portal: PortalSettings = attrs.field(factory=PortalSettings)
 
 
 def _make_converter() -> cattrs.Converter:

@@ -16,7 +16,12 @@ The routes, by resource:
 - status and whole-system stop/start: :mod:`llmgw.admin.system`;
 - the catalog's models: :mod:`llmgw.admin.models`;
 - nodes, replicas, cordons and logs: :mod:`llmgw.admin.nodes`;
-- join codes for new nodes: :mod:`llmgw.admin.join_codes`.
+- join codes for new nodes: :mod:`llmgw.admin.join_codes`;
+- people (accounts, roles, states, memberships): :mod:`llmgw.admin.people`.
+
+The portal's ``/admin`` pages reach this listener through the prefix
+dispatch in front of it (:mod:`llmgw.app.pages`), never through these
+routes or this token check.
 
 After a change the cluster is poked so the reconciler (on the leader) acts at
 once; changes reach the other control planes through the store within about

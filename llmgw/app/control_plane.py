@@ -45,12 +45,14 @@ from llmgw.errors import StartupError, StoreError
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.forward import LeaderForward
 from llmgw.gateway.server import serve_http1
+from llmgw.portal.app import make_portal_app
 from llmgw.router.engine_metrics import serve_engine_metrics
 from llmgw.settings import ServerSettings
 from llmgw.store import Store
 
 from .leadership import lease_holder, release_leadership, serve_leadership
 from .listen import serve_asgi, split_address, with_lifespan
+from .pages import with_pages
 
 __all__ = ["Addresses", "ServerConfig", "serve_control_plane"]
 
@@ -213,6 +215,12 @@ async def serve_control_plane(
         people=people,
     )
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
+    # The portal and the admin pages (docs/portal.md): one prefix dispatch in
+    # front of each listener; /v1 and /api go on untouched.
+    client_app = with_pages(gateway, make_portal_app(store, cluster, people, keys_service))
+    admin_pages = with_pages(
+        admin, make_portal_app(store, cluster, people, keys_service, admin_listener=True)
+    )
 
     async with trio.open_nursery() as services:
         # Every control plane keeps its settings live, leader or not; the
@@ -262,8 +270,12 @@ async def serve_control_plane(
         # The replicas' KV-cache usage, for the long-context routing profile.
         await services.start(serve_engine_metrics, cluster)
         async with trio.open_nursery() as listeners:
-            api = await listeners.start(serve_http1, gateway, config.listen, stop, config.grace_s)
-            admin_address = await listeners.start(serve_asgi, admin, config.admin_listen, stop, 2.0)
+            api = await listeners.start(
+                serve_http1, client_app, config.listen, stop, config.grace_s
+            )
+            admin_address = await listeners.start(
+                serve_asgi, admin_pages, config.admin_listen, stop, 2.0
+            )
             metrics_address = await listeners.start(
                 serve_asgi, metrics_app, config.metrics_listen, stop, 2.0
             )

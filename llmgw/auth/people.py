@@ -177,7 +177,9 @@ class People:
         self._auth = authenticator
         self.session_ttl_s = session_ttl_s
         self.failures = Failures()
-        self._dummy = hash_password(secrets.token_urlsafe(16))
+        #: What an unknown address is checked against (made on first need,
+        #: in a worker thread, with the same parameters as real hashes).
+        self._dummy = ""
 
     # --- accounts --------------------------------------------------------
     async def join(
@@ -297,6 +299,19 @@ class People:
         await self._store.put_membership(membership)
         return membership
 
+    async def sign_up(self, email: object, password: object) -> None:
+        """Ask for an account: made awaiting approval. An address already
+        taken changes nothing and says nothing (no enumeration).
+
+        Raises:
+            InvalidInput: a bad address or password.
+        """
+        checked = check_password(password)
+        try:
+            await self.join(email, password=checked, state="awaiting")
+        except _Exists:
+            pass
+
     async def ensure_first_admin(self, email: str, password: str | None) -> str | None:
         """On a store with nobody in it, make ``email`` an active admin.
 
@@ -313,8 +328,11 @@ class People:
         return made if password is None else ""
 
     # --- sessions --------------------------------------------------------
-    async def sign_in(self, email: str, password: str, client: str) -> tuple[Person, str]:
-        """Check the password; a new session's token.
+    async def sign_in(
+        self, email: str, password: str, client: str, *, ttl_s: float | None = None
+    ) -> tuple[Person, str]:
+        """Check the password; a new session's token, valid ``ttl_s``
+        (default: the ``session_ttl_s`` given at construction).
 
         Raises:
             TooManyAttempts: this client failed too often (for this address).
@@ -328,6 +346,8 @@ class People:
             raise TooManyAttempts(
                 "Too many failed sign-ins from this address; try again in 15 minutes."
             )
+        if not self._dummy:
+            self._dummy = await self._hash(secrets.token_urlsafe(16))
         person = await self._store.find_person(address)
         stored = person.password_hash if person is not None else "!"
         usable = not stored.startswith("!")
@@ -346,7 +366,7 @@ class People:
                 token_hash=_sha(token),
                 person_id=person.id,
                 created_at=at,
-                expires_at=at + self.session_ttl_s,
+                expires_at=at + (self.session_ttl_s if ttl_s is None else ttl_s),
                 client=client[:100],
             )
         )

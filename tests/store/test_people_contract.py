@@ -9,7 +9,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from llmgw.store import Conflict, KeyRecord, Membership, Person, SessionRecord, Store
+from llmgw.store import Conflict, KeyRecord, Membership, Person, SessionRecord, Store, UsageRow
 
 
 def _person(email: str = "Ada@Example.com", id: str = "person_1") -> Person:
@@ -129,3 +129,47 @@ async def test_forgetting_a_person_erases_them_and_hands_their_keys_to_an_anonym
     assert await store.get_key("key_2") == attrs.evolve(revoked, owner="forgotten-1")
     assert await store.get_key("key_3") == other
     assert all("ada" not in k.owner for k in await store.list_keys())
+
+
+async def test_usage_of_some_keys_or_one_project_newest_first_cut_then_oldest_first(
+    store: Store,
+) -> None:
+    def row(n: int, key: str, project: str, at: float) -> UsageRow:
+        return UsageRow(
+            request_id=f"req_{n}",
+            created_at=at,
+            key_id=key,
+            model="m",
+            status=200,
+            prompt_tokens=n,
+            completion_tokens=2 * n,
+            project_id=project,
+            cost_micros=10 * n,
+        )
+
+    await store.insert_usage(
+        [
+            row(1, "key_a", "p1", 1000.0),
+            row(2, "key_b", "p1", 2000.0),
+            row(3, "key_a", "p2", 3000.0),
+            row(4, "key_c", "p2", 4000.0),
+            row(5, "key_a", "p1", 500.0),
+        ]
+    )
+    mine = await store.usage_of(900.0, key_ids=["key_a", "key_c"])
+    assert [r.request_id for r in mine] == ["req_1", "req_3", "req_4"]
+    assert (mine[0].prompt_tokens, mine[0].completion_tokens, mine[0].cost_micros) == (1, 2, 10)
+    assert mine[0].project_id == "p1"
+    assert mine[0].created_at == 1000.0
+    assert [r.request_id for r in await store.usage_of(0.0, project_id="p1")] == [
+        "req_5",
+        "req_1",
+        "req_2",
+    ]
+    assert [r.request_id for r in await store.usage_of(0.0, key_ids=["key_a"], limit=2)] == [
+        "req_1",
+        "req_3",
+    ]
+    assert await store.usage_of(0.0, key_ids=[]) == []
+    with pytest.raises(ValueError, match="key_ids or a project_id"):
+        await store.usage_of(0.0)

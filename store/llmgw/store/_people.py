@@ -17,7 +17,7 @@ import psycopg
 from psycopg.rows import DictRow
 
 from ._sqlite_schema import write_transaction
-from .records import Membership, Person, SessionRecord
+from .records import Membership, Person, SessionRecord, UsageRow
 
 __all__ = [
     "PgSql",
@@ -37,9 +37,10 @@ __all__ = [
     "list_people",
     "put_membership",
     "update_person",
+    "usage_of",
 ]
 
-_NAMED = re.compile(r"(?<!:):([a-z_]+)")
+_NAMED = re.compile(r"(?<!:):([a-z_][a-z0-9_]*)")
 
 
 class Sql(Protocol):
@@ -263,3 +264,53 @@ def delete_sessions(db: Sql, *, person_id: str, before: float | None = None) -> 
         if before is not None:
             db.run("DELETE FROM sessions WHERE expires_at < :before", {"before": before})
     return changed
+
+
+def usage_of(
+    db: Sql,
+    *,
+    since: float,
+    key_ids: tuple[str, ...] | None,
+    project_id: str | None,
+    limit: int,
+) -> list[UsageRow]:
+    """Usage rows since ``since`` of ``key_ids`` (or of ``project_id``), the
+    newest ``limit`` of them, oldest first; only the fields a page sums are
+    filled (ids, times, model, status, tokens, cost)."""
+    params: dict[str, object] = {"since": since, "limit": limit}
+    if key_ids is not None:
+        if not key_ids:
+            return []
+        names = [f"k{i}" for i in range(len(key_ids))]
+        params.update(zip(names, key_ids, strict=True))
+        where = "key_id IN (" + ", ".join(":" + n for n in names) + ")"
+    elif project_id is not None:
+        params["project_id"] = project_id
+        where = "project_id = :project_id"
+    else:
+        raise ValueError("name key_ids or a project_id")
+    rows = db.rows(
+        "SELECT request_id, created_at, key_id, project_id, team_id, org_id, model, served_model,"
+        " status, prompt_tokens, cached_tokens, completion_tokens, cost_micros FROM usage"
+        f" WHERE {where} AND created_at >= :since"
+        " ORDER BY created_at DESC, request_id DESC LIMIT :limit",
+        params,
+    )
+    return [
+        UsageRow(
+            request_id=r["request_id"],
+            created_at=float(r["created_at"]),
+            key_id=r["key_id"],
+            project_id=r["project_id"],
+            team_id=r["team_id"],
+            org_id=r["org_id"],
+            model=r["model"],
+            served_model=r["served_model"],
+            status=int(r["status"]),
+            prompt_tokens=int(r["prompt_tokens"]),
+            cached_tokens=int(r["cached_tokens"]),
+            completion_tokens=int(r["completion_tokens"]),
+            cost_micros=int(r["cost_micros"]),
+        )
+        for r in reversed(rows)
+    ]

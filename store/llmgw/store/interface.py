@@ -499,3 +499,17 @@ class Store(Protocol):
         """End every session of ``person_id`` (how many); with ``before``,
         also drop anyone's sessions that expired before it."""
         ...
+
+    async def usage_of(
+        self,
+        since: float,
+        *,
+        key_ids: Sequence[str] | None = None,
+        project_id: str | None = None,
+        limit: int = 50_000,
+    ) -> list[UsageRow]:
+        """The raw usage rows since ``since`` of the keys ``key_ids`` (or of
+        the project ``project_id``), the newest ``limit``, oldest first, with
+        the fields a page sums (ids, times, model, status, tokens, cost).
+        ``ValueError`` when neither is named."""
+        ...

@@ -698,6 +698,23 @@ class PostgresStore:
         """End every session of ``person_id``; with ``before``, drop expired ones too."""
         return await self._people(_people.delete_sessions, person_id=person_id, before=before)
 
+    async def usage_of(
+        self,
+        since: float,
+        *,
+        key_ids: Sequence[str] | None = None,
+        project_id: str | None = None,
+        limit: int = 50_000,
+    ) -> list[UsageRow]:
+        """Raw usage rows of some keys or of one project; see :meth:`llmgw.store.Store.usage_of`."""
+        return await self._people(
+            _people.usage_of,
+            since=since,
+            key_ids=None if key_ids is None else tuple(key_ids),
+            project_id=project_id,
+            limit=limit,
+        )
+
     async def _people(self, fn: Callable[..., _T], **kwargs: Any) -> _T:
         return await self._run(lambda conn: fn(_people.PgSql(conn), **kwargs))
 

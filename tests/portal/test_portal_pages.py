@@ -1,0 +1,197 @@
+"""The portal app in-process (quart's test client, a real SQLite store):
+sign-in, CSRF, sessions ending, ids of others refused, forms by staff role,
+hashed static files (:mod:`llmgw.portal.app`). The same rules against a
+running ``llmgw up`` are in ``tests/e2e/test_portal_security.py``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from quart_trio import QuartTrio
+
+from llmgw.admin.keys import KeysService
+from llmgw.auth.keys import KeyAuthenticator
+from llmgw.auth.people import People
+from llmgw.auth.tree import ScopeResolver
+from llmgw.control.cluster import Cluster
+from llmgw.portal.app import make_portal_app
+from llmgw.portal.assets import ASSETS, asset_url
+from llmgw.settings import AuthSettings
+from llmgw.store import Store, open_sqlite_store
+
+
+@attrs.define
+class Site:
+    app: QuartTrio
+    store: Store
+    people: People
+
+    def client(self) -> Any:
+        return self.app.test_client()
+
+
+@pytest.fixture
+async def site(tmp_path: Path) -> AsyncIterator[Site]:
+    async with open_sqlite_store(tmp_path / "llmgw.db") as store:
+        cluster = Cluster()
+        cluster.set_secret(b"s" * 32)
+        authenticator = KeyAuthenticator(store)
+        keys = KeysService(
+            store,
+            authenticator,
+            ScopeResolver(store),
+            AuthSettings(),
+            bands=lambda: [band.name for band in cluster.settings.router.admission.bands],
+        )
+        people = People(store, b"p" * 32, authenticator)
+        yield Site(make_portal_app(store, cluster, people, keys), store, people)
+
+
+def _hidden(text: str, name: str = "csrf") -> str:
+    found = re.search(rf'name="{name}" value="([^"]*)"', text)
+    assert found is not None, text
+    return found.group(1)
+
+
+async def _sign_in(client: Any, email: str, password: str) -> Any:
+    page = await client.get("/portal/sign-in")
+    token = _hidden(await page.get_data(as_text=True))
+    return await client.post(
+        "/portal/sign-in", form={"csrf": token, "email": email, "password": password}
+    )
+
+
+async def test_pages_need_a_session_and_sign_in_sets_a_safe_cookie(site: Site) -> None:
+    client = site.client()
+    first = await client.get("/portal/keys")
+    assert first.status_code == 303
+    assert first.headers["location"] == "/portal/sign-in?next=/portal/keys"
+    await site.people.join("ada@example.com", password="ada password")
+    signed = await _sign_in(client, "ada@example.com", "ada password")
+    assert signed.status_code == 303
+    cookie = signed.headers["set-cookie"]
+    assert "llmgw_session=" in cookie
+    assert "HttpOnly" in cookie
+    assert "SameSite=Lax" in cookie
+    page = await client.get("/portal/keys")
+    assert page.status_code == 200
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert page.headers["cache-control"] == "no-store"
+
+
+async def test_a_wrong_password_and_an_unknown_address_get_the_same_answer(site: Site) -> None:
+    await site.people.join("ada@example.com", password="ada password")
+    wrong = await _sign_in(site.client(), "ada@example.com", "not it at all")
+    unknown = await _sign_in(site.client(), "zed@example.com", "not it at all")
+    assert wrong.status_code == unknown.status_code == 401
+    assert "Wrong address or password." in await wrong.get_data(as_text=True)
+    assert "Wrong address or password." in await unknown.get_data(as_text=True)
+
+
+async def test_a_post_without_the_sessions_csrf_token_changes_nothing(site: Site) -> None:
+    await site.people.join("ada@example.com", password="ada password")
+    client = site.client()
+    await _sign_in(client, "ada@example.com", "ada password")
+    refused = await client.post("/portal/keys", form={"name": "k"})
+    assert refused.status_code == 403
+    refused = await client.post("/portal/keys", form={"name": "k", "csrf": "forged"})
+    assert refused.status_code == 403
+    assert await site.store.list_keys() == []
+    token = _hidden(await (await client.get("/portal/keys")).get_data(as_text=True))
+    made = await client.post("/portal/keys", form={"name": "k", "csrf": token})
+    assert made.status_code == 200
+    assert [k.owner for k in await site.store.list_keys()] == ["ada@example.com"]
+
+
+async def test_another_persons_key_is_not_found_and_a_sign_out_ends_the_cookie(site: Site) -> None:
+    await site.people.join("ada@example.com", password="ada password")
+    await site.people.join("bob@example.com", password="bob password")
+    ada, bob = site.client(), site.client()
+    await _sign_in(ada, "ada@example.com", "ada password")
+    await _sign_in(bob, "bob@example.com", "bob password")
+    token = _hidden(await (await bob.get("/portal/keys")).get_data(as_text=True))
+    await bob.post("/portal/keys", form={"name": "bob's", "csrf": token})
+    [bobs] = await site.store.list_keys()
+    ada_token = _hidden(await (await ada.get("/portal/keys")).get_data(as_text=True))
+    assert (
+        await ada.post(f"/portal/keys/{bobs.id}/revoke", form={"csrf": ada_token})
+    ).status_code == 404
+    assert (await site.store.list_keys())[0].revoked_at is None
+    out = await ada.post("/portal/sign-out", form={"csrf": ada_token})
+    assert out.status_code == 303
+    assert (await ada.get("/portal/keys")).status_code == 303
+
+
+async def test_admin_pages_render_only_the_forms_the_role_may_submit(site: Site) -> None:
+    for email, role in (
+        ("v@example.com", "viewer"),
+        ("b@example.com", "billing"),
+        ("a@example.com", "admin"),
+    ):
+        await site.people.join(email, password="a password", staff_role=role)
+    await site.store.ensure_project("Acme", "ml", "train", now=1.0)
+
+    async def forms(email: str, path: str) -> list[str]:
+        client = site.client()
+        await _sign_in(client, email, "a password")
+        page = await client.get(path)
+        assert page.status_code == 200, path
+        actions = re.findall(r'<form[^>]*action="([^"]+)"', await page.get_data(as_text=True))
+        return [a for a in actions if a != "/portal/sign-out"]
+
+    for path in (
+        "/admin",
+        "/admin/people",
+        "/admin/tree",
+        "/admin/models",
+        "/admin/nodes",
+        "/admin/usage",
+    ):
+        assert await forms("v@example.com", path) == [], path
+    assert await forms("b@example.com", "/admin/people") == []
+    assert any(a.startswith("/admin/tree/") for a in await forms("b@example.com", "/admin/tree"))
+    assert "/admin/people" in await forms("a@example.com", "/admin/people")
+    viewer = site.client()
+    await _sign_in(viewer, "v@example.com", "a password")
+    token = _hidden(await (await viewer.get("/portal/keys")).get_data(as_text=True))
+    refused = await viewer.post("/admin/people", form={"csrf": token, "email": "x@example.com"})
+    assert refused.status_code == 403
+    assert await site.store.find_person("x@example.com") is None
+
+
+async def test_static_files_have_content_hash_names_and_a_long_life(site: Site) -> None:
+    client = site.client()
+    for name, found in ASSETS.items():
+        url = asset_url(name)
+        assert re.fullmatch(r"/static/portal\.[0-9a-f]{12}\.(css|js)", url)
+        answer = await client.get(url)
+        assert answer.status_code == 200
+        assert await answer.get_data() == found.body
+        assert "immutable" in answer.headers["cache-control"]
+    assert (await client.get("/static/portal.css")).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "target", ["https://evil.example/", "//evil.example/", "/\\evil", "javascript:x"]
+)
+async def test_sign_in_never_sends_the_browser_to_another_site(site: Site, target: str) -> None:
+    await site.people.join("ada@example.com", password="ada password")
+    client = site.client()
+    page = await client.get("/portal/sign-in")
+    token = _hidden(await page.get_data(as_text=True))
+    signed = await client.post(
+        "/portal/sign-in",
+        form={
+            "csrf": token,
+            "email": "ada@example.com",
+            "password": "ada password",
+            "next": target,
+        },
+    )
+    assert signed.status_code == 303
+    assert signed.headers["location"] == "/portal/chat"
