@@ -4,6 +4,7 @@ machine."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux"),
+    pytest.mark.skipif(
+        shutil.which("tmux") is None and os.environ.get("CI") != "true", reason="needs tmux"
+    ),
 ]
 
 WAIT_S = 90.0
