@@ -86,7 +86,7 @@ SCREENS: Final = (
         "2",
         "Models",
         "llmgw ctl models",
-        "s scale  t stop/start  r restart  c context  x remove  X remove+files  n serve",
+        "s scale  t stop/start  r restart  c context  x/X remove(+files)  n serve",
     ),
     ScreenInfo("3", "Nodes", "llmgw ctl nodes", "c cordon/uncordon  d drain  l logs"),
     ScreenInfo("4", "Replicas", "llmgw ctl replicas", "l logs of the replica"),
