@@ -210,6 +210,12 @@ def test_a_key_created_in_the_console_works_with_the_openai_client(up: Any) -> N
         d.keys("\r")
         await d.until(lambda: console.dialog is None, "the dialog to close")
         await d.panel_has("console-made")
+        # Its own limit: one request a minute.
+        await d.select(lambda item: item and item["name"] == "console-made")
+        d.keys("l")
+        await d.until(lambda: console.dialog is not None, "the limits form")
+        d.keys("1\r\r")  # rpm 1, tpm as the project says
+        await d.panel_has("rpm 1")
 
     with _pipe() as pipe:
         asyncio.run(_run(_console(up, pipe), pipe, scenario))
@@ -218,6 +224,10 @@ def test_a_key_created_in_the_console_works_with_the_openai_client(up: Any) -> N
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert answer.choices[0].message.content
+    with pytest.raises(openai.RateLimitError):  # the limit set in the console
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
     with pytest.raises(openai.AuthenticationError):
         up.openai_client(timeout=60, api_key=secret[0] + "x").models.list()
     # `keys list` reads like the console: a header, aligned columns, dates.

@@ -688,6 +688,32 @@ class Console:
             made = await self._post(f"/api/v1/keys/{_part(key['id'])}/rotate")
             await self.message("The new secret (shown once)", f"{made['key']}\n\nCopy it now.")
 
+    async def key_limits(self, key: dict[str, Any]) -> None:
+        """rpm and tpm of one key (empty: inherited from its project)."""
+        limits = key.get("limits") or {}
+
+        def shown(value: Any) -> str:
+            return "" if value is None else str(value)
+
+        got = await self.form(
+            f"Limits of {key['name']}",
+            f"Empty: as its project says.\n"
+            f"= llmgw keys limits --scope key --id {key['id']} --rpm N --tpm N",
+            [("rpm", shown(limits.get("rpm"))), ("tpm", shown(limits.get("tpm")))],
+        )
+        if got is None:
+            return
+        try:
+            body = {
+                name: (int(text) if text.strip() else None)
+                for name, text in zip(("rpm", "tpm"), got, strict=True)
+            }
+        except ValueError:
+            await self.message("Not a number", "rpm and tpm are whole numbers, or empty.")
+            return
+        await self.client.call("PUT", f"/api/v1/limits/key/{_part(key['id'])}", json=body)
+        self.notice = f"{key['id']}: limits set"
+
     async def edit_setting(self, path: str) -> None:
         doc = (self.data.get("config") or {}).get("document") or {}
         value: Any = doc
@@ -896,6 +922,7 @@ class Console:
 
         kb.add("v", filter=on("Keys"))(with_item(self.revoke_key))
         kb.add("o", filter=on("Keys"))(with_item(self.rotate_key))
+        kb.add("l", filter=on("Keys"))(with_item(self.key_limits))
 
         @kb.add("p", filter=on("Keys"))
         def _period(event: KeyPressEvent) -> None:
