@@ -113,11 +113,13 @@ def run_console(data_dir: Path, refresh_s: float) -> None:
     asyncio.run(run_console(client, docs_dir=_docs_dir(), plan_text=plan_text, refresh_s=refresh_s))
 
 
-def run_node_console(socket_path: Path) -> None:
-    """The node console on ``socket_path``, in this terminal."""
+def run_node_console(socket_path: Path, config: Path | None = None) -> None:
+    """The node console on ``socket_path``, in this terminal; its agent.yaml
+    view shows ``config`` (else ``/etc/llmgw/agent.yaml`` when there is one)."""
     from llmgw.console.node import NodeConsole
 
-    asyncio.run(NodeConsole(socket_path).run())
+    agent_yaml = config or (AGENT_YAML if AGENT_YAML.exists() else None)
+    asyncio.run(NodeConsole(socket_path, agent_yaml=agent_yaml, docs_dir=_docs_dir()).run())
 
 
 @click.command("console")
@@ -155,6 +157,6 @@ def console(
                 f"no agent's status socket found ({STATUS_SOCKET} in the agent's state "
                 "directory): is `llmgw agent` running here? Give it with --socket."
             )
-        run_node_console(found)
+        run_node_console(found, config)
         return
     run_console(data_dir, refresh_s)

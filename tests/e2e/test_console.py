@@ -57,7 +57,9 @@ class Driver:
                 return found
             await asyncio.sleep(0.1)
         text = self.console.panel_text()
-        raise AssertionError(f"not within {timeout_s} s: {what}\n--- panel:\n{text}")
+        dialog = getattr(self.console, "dialog", None)
+        shown = f"\n--- dialog: {dialog.title}: {dialog.text}" if dialog else ""
+        raise AssertionError(f"not within {timeout_s} s: {what}\n--- panel:\n{text}{shown}")
 
     async def panel_has(self, needle: str) -> str:
         text: str = await self.until(
@@ -89,7 +91,7 @@ async def _run(console: Console | NodeConsole, pipe: PipeInput, scenario: Any) -
     try:
         await scenario(Driver(console, pipe))
     finally:
-        pipe.send_text("q")
+        pipe.send_text("\x03")  # Ctrl-C: quits even with a dialog open
         try:
             await asyncio.wait_for(task, 30)
         finally:
@@ -151,6 +153,37 @@ def test_scaling_from_the_models_screen_changes_the_replica_count(up: Any) -> No
         await d.until(lambda: d.console.dialog is not None, "the scale dialog")
         d.keys("\x7f1\r")
         await d.panel_has("1/1")
+        # Serve another model from the form, then remove it (each asks first).
+        d.keys("n")
+        await d.until(lambda: d.console.dialog is not None, "the serve form")
+        d.keys("sim-two\r")  # name
+        d.keys("\r")  # no source: the sim engine needs none
+        d.keys("\x7f" * 8 + "sim\r\r\r")  # engine, replicas 1, context 4096
+        d.keys("0.1\r")  # host memory to hold (a CPU model must say)
+        dialog = await d.until(
+            lambda: (
+                d.console.dialog
+                if d.console.dialog and d.console.dialog.kind == "confirm"
+                else None
+            ),
+            "the plan and its question",
+        )
+        assert "no plan" in dialog.text
+        d.keys("y")
+        await d.panel_has("sim-two")
+        await d.select(lambda item: item and item["name"] == "sim-two")
+        d.keys("x")
+        dialog = await d.until(
+            lambda: (
+                d.console.dialog
+                if d.console.dialog and d.console.dialog.kind == "confirm"
+                else None
+            ),
+            "the removal's question",
+        )
+        assert "llmgw ctl model remove sim-two" in dialog.text
+        d.keys("y")
+        await d.until(lambda: "sim-two" not in d.console.panel_text(), "sim-two gone")
 
     with _pipe() as pipe:
         asyncio.run(_run(_console(up, pipe), pipe, scenario))
@@ -177,6 +210,12 @@ def test_a_key_created_in_the_console_works_with_the_openai_client(up: Any) -> N
         d.keys("\r")
         await d.until(lambda: console.dialog is None, "the dialog to close")
         await d.panel_has("console-made")
+        # Its own limit: one request a minute.
+        await d.select(lambda item: item and item["name"] == "console-made")
+        d.keys("l")
+        await d.until(lambda: console.dialog is not None, "the limits form")
+        d.keys("1\r\r")  # rpm 1, tpm as the project says
+        await d.panel_has("rpm 1")
 
     with _pipe() as pipe:
         asyncio.run(_run(_console(up, pipe), pipe, scenario))
@@ -185,6 +224,10 @@ def test_a_key_created_in_the_console_works_with_the_openai_client(up: Any) -> N
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert answer.choices[0].message.content
+    with pytest.raises(openai.RateLimitError):  # the limit set in the console
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
     with pytest.raises(openai.AuthenticationError):
         up.openai_client(timeout=60, api_key=secret[0] + "x").models.list()
     # `keys list` reads like the console: a header, aligned columns, dates.
@@ -317,9 +360,13 @@ def test_the_node_console_works_with_the_control_plane_down(
             await d.panel_has("DOES NOT ANSWER")
             assert console.error is None
             assert "alive" in console.panel_text()
+            d.keys("3")  # the manual, read here
+            await d.panel_has("architecture.md")
+            d.keys("1")
+            await d.panel_has("DOES NOT ANSWER")
 
         with _pipe() as pipe:
-            node = NodeConsole(sock, refresh_s=1.0, input=pipe, output=DummyOutput())
+            node = NodeConsole(sock, refresh_s=1.0, docs_dir=DOCS, input=pipe, output=DummyOutput())
             asyncio.run(_run(node, pipe, scenario))
     finally:
         agent.kill(signal.SIGTERM)

@@ -152,6 +152,7 @@ class Console:
         self.log_follow = True
         self.log_source: tuple[str, str] = ("", "")  # (node, shard id or "" for the agent)
         self.log_lines: list[str] = []
+        self.log_line = 0  # the line shown while paused
         self.settings_history = False
         self.usage_period = USAGE_PERIODS[0]
         self.pages = manual_pages(docs_dir)
@@ -393,8 +394,9 @@ class Console:
     def _cursor(self) -> Point:
         panel = self.panel()
         name = SCREENS[self.screen].name
-        if name == "Logs" and self.log_follow:
-            return Point(0, max(0, len(panel.lines) - 1))
+        if name == "Logs":
+            last = max(0, len(panel.lines) - 1)
+            return Point(0, last if self.log_follow else min(self.log_line, last))
         if name == "Manual" and self.manual_page is not None:
             return Point(0, min(self.manual_line, max(0, len(panel.lines) - 1)))
         if panel.items:
@@ -445,7 +447,10 @@ class Console:
         if self.filter_active:
             return [("class:keybar", " type to filter  Enter/Esc done")]
         help_ = SCREENS[self.screen].help
-        return [("class:keybar", f" {help_ + '  ' if help_ else ''}Tab/1-8 screens  q quit")]
+        line = f" {help_ + '  ' if help_ else ''}Tab/1-8 screens  q quit"
+        if len(line) > 79:
+            line = f" {help_}  q quit"
+        return [("class:keybar", line)]
 
     def _dialog_container(self) -> AnyContainer:
         dialog = self.dialog
@@ -595,22 +600,27 @@ class Console:
     async def serve(self) -> None:
         got = await self.form(
             "Serve a model",
-            "= llmgw ctl model add NAME --engine E --source S --replicas N",
+            "= llmgw ctl model add NAME --engine E --source S --replicas N\n"
+            "  --context T --min-memory-gb G (host memory to hold, for a CPU model)",
             [
                 ("name", ""),
                 ("source", ""),
                 ("engine", "llamacpp"),
                 ("replicas", "1"),
                 ("context", "4096"),
+                ("memory GB", ""),
             ],
         )
         if got is None:
             return
-        name, source, engine, replicas_text, context_text = (g.strip() for g in got)
+        name, source, engine, replicas_text, context_text, memory_text = (g.strip() for g in got)
         try:
             replicas, context_tokens = int(replicas_text), int(context_text)
+            memory_gb = float(memory_text) if memory_text else None
         except ValueError:
-            await self.message("Not a number", "replicas and context are whole numbers.")
+            await self.message(
+                "Not a number", "replicas and context are whole numbers, memory GB a number."
+            )
             return
         plan = None
         if self.plan_text is not None and source:
@@ -628,6 +638,8 @@ class Console:
             "replicas": replicas,
             "context_tokens": context_tokens,
         }
+        if memory_gb is not None:
+            profile["min_memory_gb"] = memory_gb
         entry: dict[str, Any] = {"name": name, "profiles": [profile]}
         if source:
             entry["source"] = source
@@ -675,6 +687,32 @@ class Console:
         ):
             made = await self._post(f"/api/v1/keys/{_part(key['id'])}/rotate")
             await self.message("The new secret (shown once)", f"{made['key']}\n\nCopy it now.")
+
+    async def key_limits(self, key: dict[str, Any]) -> None:
+        """rpm and tpm of one key (empty: inherited from its project)."""
+        limits = key.get("limits") or {}
+
+        def shown(value: Any) -> str:
+            return "" if value is None else str(value)
+
+        got = await self.form(
+            f"Limits of {key['name']}",
+            f"Empty: as its project says.\n"
+            f"= llmgw keys limits --scope key --id {key['id']} --rpm N --tpm N",
+            [("rpm", shown(limits.get("rpm"))), ("tpm", shown(limits.get("tpm")))],
+        )
+        if got is None:
+            return
+        try:
+            body = {
+                name: (int(text) if text.strip() else None)
+                for name, text in zip(("rpm", "tpm"), got, strict=True)
+            }
+        except ValueError:
+            await self.message("Not a number", "rpm and tpm are whole numbers, or empty.")
+            return
+        await self.client.call("PUT", f"/api/v1/limits/key/{_part(key['id'])}", json=body)
+        self.notice = f"{key['id']}: limits set"
 
     async def edit_setting(self, path: str) -> None:
         doc = (self.data.get("config") or {}).get("document") or {}
@@ -743,7 +781,11 @@ class Console:
             self.manual_line = max(0, self.manual_line + delta)
             return
         if name == "Logs":
-            self.log_follow = False
+            last = max(0, len(self.panel().lines) - 1)
+            if self.log_follow:
+                self.log_follow = False
+                self.log_line = last
+            self.log_line = max(0, min(last, self.log_line + delta))
             return
         count = len(self.panel().items)
         if count:
@@ -880,6 +922,7 @@ class Console:
 
         kb.add("v", filter=on("Keys"))(with_item(self.revoke_key))
         kb.add("o", filter=on("Keys"))(with_item(self.rotate_key))
+        kb.add("l", filter=on("Keys"))(with_item(self.key_limits))
 
         @kb.add("p", filter=on("Keys"))
         def _period(event: KeyPressEvent) -> None:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
 from prompt_toolkit.application import Application
+from prompt_toolkit.data_structures import Point
 from prompt_toolkit.formatted_text import StyleAndTextTuples
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
@@ -22,7 +24,7 @@ from prompt_toolkit.widgets import Frame
 
 from .app import STYLE
 from .format import date, duration, gib_from_bytes, gib_from_mb
-from .screens import Panel
+from .screens import Panel, manual_pages, render_manual
 
 __all__ = ["NODE_REFRESH_S", "NodeConsole", "read_status", "render_node"]
 
@@ -126,11 +128,18 @@ class NodeConsole:
         socket_path: Path,
         *,
         refresh_s: float = NODE_REFRESH_S,
+        agent_yaml: Path | None = None,
+        docs_dir: Path | None = None,
         input: Input | None = None,
         output: Output | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.refresh_s = refresh_s
+        self.agent_yaml = agent_yaml
+        self.pages = manual_pages(docs_dir)
+        self.view = "node"  # node | settings | manual
+        self.page: Path | None = None
+        self.line = 0
         self.doc: dict[str, Any] | None = None
         self.error: str | None = None
         self.read_at: float | None = None
@@ -141,9 +150,42 @@ class NodeConsole:
         def _quit(event: KeyPressEvent) -> None:
             event.app.exit()
 
+        def show(view: str) -> Callable[[KeyPressEvent], None]:
+            def handler(event: KeyPressEvent) -> None:
+                self.view, self.line = view, 0
+
+            return handler
+
+        kb.add("1")(show("node"))
+        kb.add("2")(show("settings"))
+        kb.add("3")(show("manual"))
+
+        @kb.add("down")
+        @kb.add("j")
+        def _down(event: KeyPressEvent) -> None:
+            self.line += 1
+
+        @kb.add("up")
+        @kb.add("k")
+        def _up(event: KeyPressEvent) -> None:
+            self.line = max(0, self.line - 1)
+
+        @kb.add("enter")
+        def _open(event: KeyPressEvent) -> None:
+            if self.view == "manual" and self.page is None and self.pages:
+                self.page = self.pages[min(self.line, len(self.pages) - 1)]
+                self.line = 0
+
+        @kb.add("escape", eager=True)
+        def _back(event: KeyPressEvent) -> None:
+            self.page, self.line = None, 0
+
         body = Frame(
-            Window(FormattedTextControl(self._panel), wrap_lines=False),
-            title="This node = llmgw doctor, llmgw ctl logs NODE",
+            Window(
+                FormattedTextControl(self._panel, get_cursor_position=self._cursor),
+                wrap_lines=False,
+            ),
+            title=self._frame_title,
         )
         self.app: Application[None] = Application(
             layout=Layout(
@@ -152,7 +194,9 @@ class NodeConsole:
                         Window(FormattedTextControl(self._title), height=1),
                         body,
                         Window(
-                            FormattedTextControl(" q quit   (from the agent's status socket)"),
+                            FormattedTextControl(
+                                " 1 node  2 agent.yaml  3 manual  Enter open  Esc back  q quit"
+                            ),
                             height=1,
                             style="class:keybar",
                         ),
@@ -184,14 +228,43 @@ class NodeConsole:
         )
         return [("class:title", f" llmgw node console  {self.socket_path}  updated {when}")]
 
+    def _frame_title(self) -> str:
+        if self.view == "settings":
+            return f"agent.yaml = {self.agent_yaml or 'none found'}"
+        if self.view == "manual":
+            return f"Manual{': ' + self.page.name if self.page else ''}"
+        return "This node = llmgw doctor, llmgw ctl logs NODE"
+
+    def _cursor(self) -> Point:
+        return Point(0, self.line)
+
     def _panel(self) -> StyleAndTextTuples:
+        if self.view != "node":
+            if self.view == "manual":
+                panel = render_manual(self.pages, self.page)
+            else:
+                panel = Panel()
+                try:
+                    text = self.agent_yaml.read_text() if self.agent_yaml else "no agent.yaml"
+                except OSError as exc:
+                    text = f"{self.agent_yaml}: {exc}"
+                for row in text.splitlines():
+                    panel.add(row)
+            self.line = min(self.line, max(0, len(panel.lines) - 1))
+            out: StyleAndTextTuples = []
+            selected = self.line if self.view == "manual" and self.page is None else -1
+            for index, fragments in enumerate(panel.lines):
+                for style, piece in fragments:
+                    out.append((style + (" class:selected" if index == selected else ""), piece))
+                out.append(("", "\n"))
+            return out
         if self.doc is None:
             return [("", "reading the agent's status…" if self.error is None else self.error)]
-        out: StyleAndTextTuples = []
-        for line in render_node(self.doc).lines:
-            out.extend(line)
-            out.append(("", "\n"))
-        return out
+        lines: StyleAndTextTuples = []
+        for fragments in render_node(self.doc).lines:
+            lines.extend(fragments)
+            lines.append(("", "\n"))
+        return lines
 
     async def refresh(self) -> None:
         """Read the socket once."""

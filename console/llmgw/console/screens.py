@@ -86,11 +86,11 @@ SCREENS: Final = (
         "2",
         "Models",
         "llmgw ctl models",
-        "s scale  t stop/start  r restart  c context  x remove  X remove+files  n serve",
+        "s scale  t stop/start  r restart  c context  x/X remove(+files)  n serve",
     ),
     ScreenInfo("3", "Nodes", "llmgw ctl nodes", "c cordon/uncordon  d drain  l logs"),
     ScreenInfo("4", "Replicas", "llmgw ctl replicas", "l logs of the replica"),
-    ScreenInfo("5", "Keys", "llmgw keys list", "c create  v revoke  o rotate  p period"),
+    ScreenInfo("5", "Keys", "llmgw keys list", "c create  v revoke  o rotate  l limits  p period"),
     ScreenInfo("6", "Logs", "llmgw ctl logs NODE", "/ filter  f follow  [ ] source  n node"),
     ScreenInfo("7", "Settings", "llmgw ctl config", "Enter edit  h history"),
     ScreenInfo("8", "Manual", "llmgw docs", "Enter open  Esc list  PgUp/PgDn"),
@@ -317,11 +317,12 @@ def render_keys(data: dict[str, Any], period: str = "24h") -> Panel:
                 key.get("band") or "-",
                 state,
                 used.get("requests", 0),
+                _key_limits(key.get("limits") or {}),
                 date(key.get("expires_at")),
             ]
         )
     panel.add_table(
-        ["ID", "NAME", "PROJECT", "OWNER", "BAND", "STATE", f"REQ {period}", "EXPIRES"],
+        ["ID", "NAME", "PROJECT", "OWNER", "BAND", "STATE", f"REQ {period}", "LIMITS", "EXPIRES"],
         rows,
         keys,
     )
@@ -360,6 +361,12 @@ def render_keys(data: dict[str, Any], period: str = "24h") -> Panel:
             + " / ".join(short(limits.get(level, {})) for level in ("org", "team", "project"))
         )
     return panel
+
+
+def _key_limits(limits: dict[str, Any]) -> str:
+    """A key's own limits, ``rpm 10 tpm 5000``; ``-`` when it has none."""
+    set_ = [f"{k} {v}" for k, v in limits.items() if v is not None and k in ("rpm", "tpm")]
+    return " ".join(set_) or "-"
 
 
 # --- Logs -------------------------------------------------------------------------
