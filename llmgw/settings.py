@@ -58,6 +58,7 @@ __all__ = [
     "GuardPolicy",
     "GuardRules",
     "GuardSettings",
+    "HaSettings",
     "NodesSettings",
     "OnDemandSettings",
     "Price",
@@ -475,6 +476,26 @@ class GuardSettings:
                     )
 
 
+#: The shortest leader lease accepted, in seconds: a third of it is the
+#: renewal interval, and the leader stops half a second before expiry.
+MIN_LEASE_TTL_S: Final = 2.0
+
+
+def _lease_ttl(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value >= MIN_LEASE_TTL_S:  # also refuses NaN
+        raise ValueError(f"{attribute.name} must be at least {MIN_LEASE_TTL_S:g} s")
+
+
+@attrs.frozen(kw_only=True)
+class HaSettings:
+    """``ha``: the leader lease (``docs/ha.md``). ``lease_ttl_s`` (seconds,
+    at least :data:`MIN_LEASE_TTL_S`) is how long a taken or renewed lease
+    holds; it is renewed every third of that. Read at start (``llmgw
+    server --lease-ttl`` wins); a change takes effect at the next start."""
+
+    lease_ttl_s: float = attrs.field(default=10.0, converter=parse_duration_s, validator=_lease_ttl)
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """The whole settings document: ``server.yaml`` seeds it, the store
@@ -486,6 +507,7 @@ class ServerSettings:
     router: RouterSettings = attrs.field(factory=RouterSettings)
     nodes: NodesSettings = attrs.field(factory=NodesSettings)
     guard: GuardSettings = attrs.field(factory=GuardSettings)
+    ha: HaSettings = attrs.field(factory=HaSettings)
 
 
 def _make_converter() -> cattrs.Converter:

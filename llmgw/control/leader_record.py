@@ -111,6 +111,15 @@ class LeaderView:
             return f"the leader is at {record.hubs[0]}"
         return f"the leader's API is at {record.api}"
 
+    def describe(self) -> str:
+        """Who leads, for an admin change a standby refuses: ``the leader
+        is HOLDER, its client API at HOST:PORT`` or ``no leader is known
+        yet``."""
+        record = self.record
+        if record is None or record.holder == self.holder:
+            return "no leader is known yet"
+        return f"the leader is {record.holder}, its client API at {record.api}"
+
     async def publish(self, store: Store, lease: Lease) -> None:
         """Write this control plane's record under ``lease`` once its
         addresses are known.
