@@ -153,13 +153,18 @@ async def serve_leader_view(
 ) -> NoReturn:
     """Keep ``view.record`` fresh while this control plane does not lead:
     read every :data:`READ_INTERVAL_S` (a store that cannot be reached is
-    logged once per outage and the last record kept)."""
+    logged once per outage and the last record kept), and the catalog with
+    it, so that a standby coming to lead knows the models at once (the
+    leader's reconciler reads it itself)."""
     task_status.started()
     failing = False
     while True:
         if not cluster.is_leader:
             try:
                 await view.read(store)
+                models = {m.name: m for m in await store.list_models()}
+                if models != cluster.models or not cluster.catalog_loaded:
+                    cluster.load_catalog(models)
             except StoreError as exc:
                 if not failing:
                     log.warning("cannot read where the leader is (%s); retrying", exc)

@@ -23,7 +23,7 @@ from llmgw.app.leadership import (
 )
 from llmgw.control.cluster import Cluster
 from llmgw.control.leader_record import LEADER_KEY, LeaderRecord, LeaderView, serve_leader_view
-from llmgw.store import Fenced, Store, StoreError, open_store
+from llmgw.store import Fenced, ModelRecord, Profile, Store, StoreError, open_store
 
 TTL_S = 1.5
 
@@ -254,4 +254,16 @@ async def test_coming_to_lead_runs_on_lead_each_time(store: Store) -> None:
         assert cluster.settling_s() == 0
         flaky.down = False
         await _until(lambda: len(led) == 2, TTL_S * 3)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_standby_knows_the_catalog_before_it_leads(store: Store) -> None:
+    await store.put_model(ModelRecord(name="m", profiles=(Profile(engine="sim"),)))
+    holder = await store.acquire_lease(LEASE_NAME, "elsewhere", 60, time.time())
+    assert holder is not None
+    async with trio.open_nursery() as nursery:
+        cluster, _ = await _run(nursery, store, "b")
+        assert not cluster.is_leader
+        await _until(lambda: "m" in cluster.models, 5)
+        assert cluster.catalog_loaded
         nursery.cancel_scope.cancel()
