@@ -63,6 +63,7 @@ __all__ = [
     "GuardPolicy",
     "GuardRules",
     "GuardSettings",
+    "HaSettings",
     "NodesSettings",
     "OnDemandSettings",
     "PortalSettings",
@@ -597,6 +598,26 @@ class PortalSettings:
     external_url: str = attrs.field(default="", validator=_external_url)
 
 
+#: The shortest leader lease accepted, in seconds: a third of it is the
+#: renewal interval, and the leader stops half a second before expiry.
+MIN_LEASE_TTL_S: Final = 2.0
+
+
+def _lease_ttl(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value >= MIN_LEASE_TTL_S:  # also refuses NaN
+        raise ValueError(f"{attribute.name} must be at least {MIN_LEASE_TTL_S:g} s")
+
+
+@attrs.frozen(kw_only=True)
+class HaSettings:
+    """``ha``: the leader lease (``docs/ha.md``). ``lease_ttl_s`` (seconds,
+    at least :data:`MIN_LEASE_TTL_S`) is how long a taken or renewed lease
+    holds; it is renewed every third of that. Read at start (``llmgw
+    server --lease-ttl`` wins); a change takes effect at the next start."""
+
+    lease_ttl_s: float = attrs.field(default=10.0, converter=parse_duration_s, validator=_lease_ttl)
+
+
 @attrs.frozen(kw_only=True)
 class ServerSettings:
     """The whole settings document: ``server.yaml`` seeds it, the store
@@ -613,6 +634,7 @@ class ServerSettings:
     mirrors: tuple[str, ...] = attrs.field(default=(), validator=_http_urls)
     weights: WeightsSettings = attrs.field(factory=WeightsSettings)
     portal: PortalSettings = attrs.field(factory=PortalSettings)
+    ha: HaSettings = attrs.field(factory=HaSettings)
 
 
 def _make_converter() -> cattrs.Converter:

@@ -19,7 +19,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -36,9 +36,21 @@ class PostgresServer:
     password (trust), TCP on 127.0.0.1:``port``."""
 
     port: int
+    #: Runs ``pg_ctl`` on the server: ``"stop"`` (fast) or ``"start"``.
+    pg_ctl: Callable[[str], None] | None = None
 
     def address(self, dbname: str) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+
+    def stop(self) -> None:
+        """Stop the server (``pg_ctl stop -m fast``): connections are cut."""
+        assert self.pg_ctl is not None
+        self.pg_ctl("stop")
+
+    def start(self) -> None:
+        """Start the stopped server again, on the same port and data."""
+        assert self.pg_ctl is not None
+        self.pg_ctl("start")
 
 
 def _postgres_bin() -> Path | None:
@@ -155,8 +167,28 @@ def postgres_server() -> Iterator[PostgresServer]:
                 f"the test PostgreSQL server did not start: {started.stderr}\n{server_log}",
                 pytrace=False,
             )
+
+        def pg_ctl(action: str) -> None:
+            argv = [str(bin_dir / "pg_ctl"), "-D", str(data), "-w"]
+            if action == "start":
+                argv += ["-l", str(log), "-o", options, "start"]
+            else:
+                argv += ["-m", "fast", "stop"]
+            done = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                cwd=base,
+                env=env,
+                user=uid,
+                group=gid,
+                extra_groups=groups,
+                check=False,
+            )
+            assert done.returncode == 0, f"pg_ctl {action}: {done.stderr}"
+
         try:
-            yield PostgresServer(port=port)
+            yield PostgresServer(port=port, pg_ctl=pg_ctl)
         finally:
             subprocess.run(
                 [str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"],

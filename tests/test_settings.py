@@ -209,3 +209,12 @@ def test_a_key_that_is_not_text_is_a_settings_error(tmp_path: Path) -> None:
         load_settings(path)
     with pytest.raises(SettingsError, match="7"):
         settings_from_doc({"auth": {7: 1, "cache_ttl": "1s"}})
+
+
+def test_the_lease_ttl_defaults_to_10_s_and_is_read_as_a_duration_of_at_least_2_s() -> None:
+    assert settings_from_doc({}).ha.lease_ttl_s == 10.0
+    assert settings_from_doc({"ha": {"lease_ttl_s": "3s"}}).ha.lease_ttl_s == 3.0
+    with pytest.raises(SettingsError, match=r"lease_ttl_s must be at least 2 s.*\.ha"):
+        settings_from_doc({"ha": {"lease_ttl_s": 1}})
+    with pytest.raises(SettingsError, match=r"ttl.*\.ha"):
+        settings_from_doc({"ha": {"ttl": 5}})

@@ -43,6 +43,7 @@ __all__ = [
     "Refused",
     "Reservation",
     "ScopeLimits",
+    "catch_up_budgets",
     "restore_budgets",
 ]
 
@@ -689,3 +690,21 @@ async def restore_budgets(store: Store, accountant: Accountant) -> None:
         for scope, micros in (await store.spend_since_by_scope(since)).items():
             spend[(scope, period)] = micros
     accountant.restore(spend, now)
+
+
+async def catch_up_budgets(store: Store, accountant: Accountant) -> None:
+    """Raise ``accountant``'s budget counters to the store's usage of this
+    day and month, never lowering one: what a control plane does when it
+    comes to lead (``docs/ha.md``), so the spend served by the leader
+    before it counts; its own spend not yet written stays counted.
+
+    Raises:
+        StoreError: the store cannot be read.
+    """
+    now = time.time()
+    spend: dict[tuple[str, str], int] = {}
+    for period in ("day", "month"):
+        since = period_start(period, now)
+        for scope, micros in (await store.spend_since_by_scope(since)).items():
+            spend[(scope, period)] = micros
+    accountant.catch_up(spend, now)

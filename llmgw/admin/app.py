@@ -31,7 +31,9 @@ a second.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from pathlib import Path
+from typing import Final
 
 from quart import g, request
 from quart_trio import QuartTrio
@@ -45,7 +47,7 @@ from llmgw.control.live import LiveSettings
 from llmgw.store import Store
 
 from .config import add_config_routes
-from .errors import install
+from .errors import NotLeader, install
 from .join_codes import add_join_code_routes
 from .keys import KeysService, add_key_routes
 from .models import add_model_routes
@@ -55,6 +57,9 @@ from .system import add_system_routes
 from .usage import add_usage_routes
 
 __all__ = ["make_admin_app"]
+
+#: The methods that change something, refused on a standby.
+_CHANGES: Final = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 def make_admin_app(
@@ -67,6 +72,7 @@ def make_admin_app(
     data_dir: Path | None = None,
     join: JoinService | None = None,
     people: People | None = None,
+    leader_hint: Callable[[], str] | None = None,
 ) -> QuartTrio:
     """The admin API application over ``store`` and ``cluster``.
 
@@ -81,6 +87,11 @@ def make_admin_app(
             join port (``POST /api/v1/nodes/join-codes`` answers 409).
         people: accounts and sessions; a fresh one over ``store`` when
             ``None`` (tests).
+        leader_hint: where the leader is (``llmgw server``, several control
+            planes of one store): while this control plane does not lead,
+            every change (POST, PUT, PATCH, DELETE) is refused with 503
+            ``not_leader`` naming it; reads are answered from the store.
+            ``None``: one control plane (``llmgw up``), nothing refused.
     """
     app = QuartTrio("llmgw.admin")
     if live is None:
@@ -103,6 +114,11 @@ def make_admin_app(
         if not admin_token.check(secret):
             raise KeyRefused("Incorrect admin token provided.")
         g.admin_actor = f"admin token ({fingerprint(secret)})"
+        if leader_hint is not None and request.method in _CHANGES and not cluster.is_leader:
+            raise NotLeader(
+                "This control plane is a standby: changes are made on the leader "
+                f"({leader_hint()}); reads are answered here."
+            )
 
     add_key_routes(app, keys_service)
     add_usage_routes(app, store, keys_service)

@@ -18,6 +18,8 @@ error                                 status  code (message)
 other ``InvalidInput``                400     its ``code``, else null
 ``NotFound``                          404     its ``code``, else ``not_found``
 ``store.Conflict``                    409     ``conflict`` ("…; read it again and retry.")
+``store.Fenced``                      503     ``not_leader`` (a deposed leader's write, refused
+                                              by the store; nothing written)
 ``Refused``                           its     its ``code``
                                       status
 ``StoreError``                        503     ``store_unavailable`` ("The store cannot be reached: …")
@@ -42,12 +44,13 @@ from quart_trio import QuartTrio
 from llmgw import errors
 from llmgw.control.catalog import CatalogError
 from llmgw.settings import SettingsError
-from llmgw.store import Conflict
+from llmgw.store import Conflict, Fenced
 
 __all__ = [
     "BadRequest",
     "Clash",
     "NoSuch",
+    "NotLeader",
     "answer_for",
     "error_response",
     "install",
@@ -72,6 +75,15 @@ def known_names(what: str, names: Iterable[str], *, hint: str = "") -> str:
     if len(ordered) > MAX_NAMES_LISTED:
         shown += f" and {len(ordered) - MAX_NAMES_LISTED} more" + (f" ({hint})" if hint else "")
     return f"the {what} are: {shown}"
+
+
+class NotLeader(errors.Refused):
+    """An admin change sent to a control plane that does not lead (503
+    ``not_leader``): changes are made on the leader (``docs/ha.md``)."""
+
+    status = 503
+    code = "not_leader"
+    type = "server_error"
 
 
 class BadRequest(errors.InvalidInput):
@@ -130,6 +142,13 @@ def answer_for(exc: errors.LlmgwError) -> tuple[int, dict[str, str | None]]:
         status, code, message = 409, "conflict", f"{exc}; read it again and retry."
     elif isinstance(exc, errors.Refused):
         status, code = exc.status, exc.code
+    elif isinstance(exc, Fenced):
+        status, code = 503, "not_leader"
+        holder = "" if exc.current is None else f" ({exc.current[0]} holds it now)"
+        message = (
+            f"This control plane no longer leads: the leader lease moved on{holder}, so the "
+            "store wrote nothing. Make the change on the leader (the one answering /leader)."
+        )
     elif isinstance(exc, errors.StoreError):
         log.warning("admin API: store error: %s", exc)
         status, code = 503, "store_unavailable"

@@ -113,7 +113,7 @@ def add_model_routes(
         await trio.to_thread.run_sync(partial(model_ops.check_model, model, existing, new=new))
 
     async def save(model: ModelRecord) -> dict[str, Any]:
-        await store.put_model(model)
+        await store.put_model(model, fence=cluster.lease)
         cluster.put_model(model)
         return model_view(model, cluster)
 
@@ -203,7 +203,7 @@ def add_model_routes(
         model = await find_model(name)
         if purge and data_dir is None and model.origin is None:
             raise BadRequest("This control plane has no data directory to purge from.")
-        await store.delete_model(name)
+        await store.delete_model(name, fence=cluster.lease)
         cluster.drop_model(name)
         purged: list[str] = []
         if purge and data_dir is not None:

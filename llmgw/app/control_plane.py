@@ -22,7 +22,7 @@ import trio
 from prometheus_client import make_asgi_app
 
 from llmgw import metrics
-from llmgw.accounting.accountant import Accountant, restore_budgets
+from llmgw.accounting.accountant import Accountant, catch_up_budgets, restore_budgets
 from llmgw.accounting.journal import UsageJournal, serve_journal_committer
 from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
@@ -66,6 +66,10 @@ AGENTS_STOP_S: Final = 3.0
 FIRST_ADMIN_EMAIL: Final = "admin@localhost"
 #: The usage journal's folder, in the data directory.
 JOURNAL_DIR: Final = "usage-journal"
+#: After it comes to lead, how long a control plane under ``llmgw server``
+#: holds a request for a model with no ready replica while its nodes link
+#: to it (a second or two after a takeover), in seconds.
+SETTLE_S: Final = 5.0
 
 
 @attrs.frozen(kw_only=True)
@@ -178,7 +182,7 @@ async def serve_control_plane(
     # Standbys forward /v1 to the leader under `llmgw server` (several
     # control planes of one store, docs/ha.md); `llmgw up` is one machine.
     forward = (
-        LeaderForward(leader_view.leader_api, is_leader=lambda: cluster.is_leader)
+        LeaderForward(leader_view.leader_api, is_leader=lambda: cluster.routes_itself)
         if config.join_listen is not None
         else None
     )
@@ -213,6 +217,8 @@ async def serve_control_plane(
         data_dir=data_dir,
         join=join,
         people=people,
+        # Several control planes of one store: changes on the leader only.
+        leader_hint=leader_view.describe if config.join_listen is not None else None,
     )
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
     # The portal and the admin pages (docs/portal.md): one prefix dispatch in
@@ -265,7 +271,19 @@ async def serve_control_plane(
         if hub_tls is not None:
             await services.start(serve_standby_links, cluster)
         await services.start(
-            partial(serve_leadership, store, cluster, holder, config.engine_ports, view=leader_view)
+            partial(
+                serve_leadership,
+                store,
+                cluster,
+                holder,
+                config.engine_ports,
+                view=leader_view,
+                ttl_s=config.settings.ha.lease_ttl_s,
+                # Under `llmgw server` the nodes link over the network after
+                # a takeover: requests wait for them a moment (docs/ha.md).
+                settle_s=SETTLE_S if config.join_listen is not None else 0.0,
+                on_lead=partial(_catch_up_budgets, store, accountant),
+            )
         )
         # The replicas' KV-cache usage, for the long-context routing profile.
         await services.start(serve_engine_metrics, cluster)
@@ -365,3 +383,15 @@ async def _people(store: Store, authenticator: KeyAuthenticator) -> People:
     elif made == "":
         log.info("first admin %s made with the password in LLMGW_ADMIN_PASSWORD", email)
     return people
+
+
+async def _catch_up_budgets(store: Store, accountant: Accountant) -> None:
+    """On coming to lead: the budgets raised to the store's spend (what the
+    previous leader served); a store that fails is logged, the counters
+    kept as they are."""
+    try:
+        await catch_up_budgets(store, accountant)
+    except StoreError as exc:
+        log.warning("budgets not caught up with the store on leading (%s)", exc)
+    else:
+        log.info("budgets caught up with the store's spend on leading")

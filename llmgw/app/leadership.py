@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Final, NoReturn
 
@@ -38,7 +38,7 @@ LEASE_TTL_S: Final = 10.0
 #: How often a standby tries to take the lease, in seconds (a conditional
 #: update that changes nothing while the lease is held): a released lease
 #: is taken within this, an expired one within this after its expiry.
-STANDBY_POLL_S: Final = 1.0
+STANDBY_POLL_S: Final = 0.25
 #: A leader stops its leader-only work this long before its lease expires
 #: by its own clock, when it could not renew it, in seconds.
 EXPIRY_MARGIN_S: Final = 0.5
@@ -76,6 +76,8 @@ async def serve_leadership(
     *,
     view: LeaderView | None = None,
     ttl_s: float = LEASE_TTL_S,
+    settle_s: float = 0.0,
+    on_lead: Callable[[], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Hold the leader lease as ``holder``; while leading, run the reconciler
@@ -83,7 +85,10 @@ async def serve_leadership(
     ``auth.usage_retain_days`` of ``cluster``'s settings), and write the
     leader's record to the store through ``view`` (where standbys find the
     leader). :meth:`Cluster.set_leader` says which, for the ``/ready`` and
-    ``/leader`` answers.
+    ``/leader`` answers, with ``settle_s`` (seconds in which requests for a
+    model with no ready replica wait for the nodes to link). ``on_lead`` is
+    awaited (in the leader's nursery, beside the work) each time it comes
+    to lead: the budgets caught up with the store.
 
     Started once the first attempt to take the lease is over (taken or not).
     The lease is renewed every third of ``ttl_s``; a standby tries to take
@@ -151,17 +156,29 @@ async def serve_leadership(
                     ttl_s,
                 )
             cluster.set_leader(False)
+            # Another control plane leads: a cut-off one stops routing here.
+            cluster.set_cut_off(False)
             led_last = False
             ready()
             await trio.sleep(min(STANDBY_POLL_S, ttl_s / 3))
             continue
         waiting_said = False
         log.info("leading (lease epoch %d)", lease.epoch)
-        reason = await _lead(store, cluster, lease, engine_ports, view, ttl_s, ready)
+        reason = await _lead(
+            store, cluster, lease, engine_ports, view, ttl_s, ready, settle_s, on_lead
+        )
         cluster.set_leader(False)
         log.error("%s; stopped leader-only work", reason)
         led_last = reason.startswith("could not renew")
         outage = led_last
+        # No other control plane can take the lease while the store is
+        # down: this one keeps routing /v1 (not leader-only work) until the
+        # store answers again.
+        cluster.set_cut_off(led_last)
+        if led_last:
+            log.warning(
+                "keeping on answering /v1 over the replicas known here until the store answers"
+            )
 
 
 def _deadline(expires_at: float) -> float:
@@ -178,6 +195,8 @@ async def _lead(
     view: LeaderView | None,
     ttl_s: float,
     ready: Callable[[], None],
+    settle_s: float = 0.0,
+    on_lead: Callable[[], Awaitable[None]] | None = None,
 ) -> str:
     """Run the leader-only work under ``lease`` until it is lost or cannot
     be renewed before it expires; returns why it stopped.
@@ -195,6 +214,8 @@ async def _lead(
                 await trio.sleep_until(expiry)  # moved on by each renewal
                 if trio.current_time() >= expiry:
                     break
+            # Cut off first: /v1 keeps being answered here without a gap.
+            cluster.set_cut_off(True)
             cluster.set_leader(False)
             leading.cancel_scope.cancel()
 
@@ -216,8 +237,11 @@ async def _lead(
                     return
                 expiry = _deadline(renewed.expires_at)
 
-        cluster.set_leader(True)
+        cluster.set_leader(True, settle_s=settle_s, lease=lease)
+        cluster.set_cut_off(False)
         leading.start_soon(watchdog)
+        if on_lead is not None:
+            leading.start_soon(on_lead)
         await leading.start(serve_reconciler, store, cluster, engine_ports)
         # The retention's deletes carry the lease: the store refuses them
         # once another control plane has taken it over (fencing).

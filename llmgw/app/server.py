@@ -57,6 +57,9 @@ class ServerOptions:
     grace_s: float = 10.0
     #: The store's address (``--store``); ``None``: SQLite in ``DATA_DIR/llmgw.db``.
     store: str | None = None
+    #: The leader lease's TTL in seconds (``--lease-ttl``); ``None``: the
+    #: settings file's ``ha.lease_ttl_s``.
+    lease_ttl_s: float | None = None
 
 
 def _say_to_stderr(text: str) -> None:
@@ -99,7 +102,12 @@ async def run_server(options: ServerOptions, say: Say = _say_to_stderr) -> None:
             advertise=options.advertise,
             engine_ports=options.engine_ports,
             grace_s=options.grace_s,
-            settings=loaded.settings,
+            settings=loaded.settings
+            if options.lease_ttl_s is None
+            else attrs.evolve(
+                loaded.settings,
+                ha=attrs.evolve(loaded.settings.ha, lease_ttl_s=options.lease_ttl_s),
+            ),
             settings_source=None if loaded.source is None else str(loaded.source),
             data_dir=data_dir,
         )

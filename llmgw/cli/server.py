@@ -52,6 +52,13 @@ __all__ = ["server"]
     "certificate and put first in join codes.",
 )
 @click.option("--engine-ports", default="20000-20999", show_default=True, help="Engine port range.")
+@click.option(
+    "--lease-ttl",
+    default=None,
+    metavar="DURATION",
+    help="The leader lease's TTL (seconds, or 10s): a killed leader is replaced about this long "
+    "after; renewed every third of it (default: the settings' ha.lease_ttl_s, 10 s).",
+)
 def server(
     data_dir: Path,
     store: str | None,
@@ -63,6 +70,7 @@ def server(
     join_listen: str,
     advertise: tuple[str, ...],
     engine_ports: str,
+    lease_ttl: str | None,
 ) -> None:
     """Run the control plane alone (no agent, no model unless configured);
     machines join it with 'llmgw node add' here and 'llmgw join CODE' there."""
@@ -80,6 +88,7 @@ def server(
                 f"{value!r} is not a host name or an address (e.g. gpu-cp.example.com, 10.0.0.1)",
                 param_hint="--advertise",
             )
+    lease_ttl_s = None if lease_ttl is None else _lease_ttl_s(lease_ttl)
     store = checked_store(store)
     click.echo(f"llmgw: starting the control plane (data in {data_dir})", err=True)
 
@@ -98,6 +107,7 @@ def server(
         join_listen=join_listen,
         advertise=advertise,
         engine_ports=_parse_range(engine_ports),
+        lease_ttl_s=lease_ttl_s,
     )
     try:
         trio.run(run_server, options)
@@ -109,4 +119,20 @@ def server(
         raise click.ClickException(
             f"cannot listen: {errors.describe(first_leaf(group))} (is another llmgw running on these ports? see "
             "--listen and the other --…-listen options)"
+        ) from None
+
+
+def _lease_ttl_s(value: str) -> float:
+    """``--lease-ttl``'s seconds.
+
+    Raises:
+        click.BadParameter: not a duration, or shorter than the settings allow.
+    """
+    from llmgw.settings import HaSettings
+
+    try:
+        return HaSettings(lease_ttl_s=value).lease_ttl_s
+    except ValueError as exc:
+        raise click.BadParameter(
+            f"{value!r}: {exc} (a number of seconds, or like 10s)", param_hint="--lease-ttl"
         ) from None

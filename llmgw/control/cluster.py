@@ -26,7 +26,7 @@ from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
 from llmgw.router.endpoint import Endpoint
 from llmgw.settings import ServerSettings
-from llmgw.store import ModelRecord, Profile, profile_fingerprint
+from llmgw.store import Lease, ModelRecord, Profile, profile_fingerprint
 
 from .planning import replica_cores
 
@@ -301,6 +301,10 @@ class Cluster:
         self._settings = ServerSettings()
         self._changed = trio.Event()
         self._is_leader = False
+        #: time.monotonic() until which a new leader's nodes are still linking.
+        self._settle_until = 0.0
+        self._cut_off = False
+        self._lease: Lease | None = None
         self._gpu_plans: dict[tuple[str, str], float] = {}
         self._drain_started: dict[str, float] = {}
         self._orphans: list[tuple[str, str]] = []
@@ -385,9 +389,54 @@ class Cluster:
 
     # --- set by the composition root, the settings loop, the admin API -------------
 
-    def set_leader(self, leading: bool) -> None:
-        """Whether this control plane holds the leader lease now."""
+    def set_leader(
+        self, leading: bool, *, settle_s: float = 0.0, lease: Lease | None = None
+    ) -> None:
+        """Whether this control plane holds the leader lease now. On coming
+        to lead, ``settle_s`` seconds in which its nodes are still linking
+        (:meth:`settling_s`), and the ``lease`` held (:attr:`lease`)."""
+        if leading and not self._is_leader:
+            self._settle_until = time.monotonic() + settle_s
+            self._lease = lease
+        if not leading:
+            self._lease = None
         self._is_leader = leading
+
+    @property
+    def lease(self) -> Lease | None:
+        """The leader lease this control plane took when it came to lead
+        (``None`` while not leading, or when it was not given): the admin
+        API's writes carry it (``fence=``), so the store refuses them once
+        another control plane has taken the lease over."""
+        return self._lease
+
+    @property
+    def cut_off(self) -> bool:
+        """This control plane led until the store stopped answering, and no
+        other is known to lead: it keeps routing ``/v1`` over the replicas
+        it knows and keeps its agents' links (``docs/ha.md``, the store
+        down), the leader-only work stopped."""
+        return self._cut_off and not self._is_leader
+
+    @property
+    def routes_itself(self) -> bool:
+        """``/v1`` is answered here, not forwarded: leading, or cut off."""
+        return self._is_leader or self._cut_off
+
+    def set_cut_off(self, cut_off: bool) -> None:
+        """See :attr:`cut_off`; set when a renewal failed for the store, cleared
+        once the store answers again."""
+        self._cut_off = cut_off
+
+    def settling_s(self) -> float:
+        """Seconds left of the window after this control plane came to lead
+        in which its nodes are still linking to it (``set_leader``'s
+        ``settle_s``): the router holds a request for a model with no ready
+        replica meanwhile instead of refusing it. 0 when settled or not
+        leading."""
+        if not self._is_leader:
+            return 0.0
+        return max(0.0, self._settle_until - time.monotonic())
 
     def set_secret(self, secret: bytes) -> None:
         """The cluster secret engine keys derive from; set once at start,

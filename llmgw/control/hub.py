@@ -272,12 +272,14 @@ async def serve_standby_links(
     lease lost or not renewed in time), as a standby's refusal
     (:data:`~llmgw.agent.session.STANDBY_REASON`), so that agents move on to
     the new leader at once instead of staying linked to a control plane that
-    no longer runs them."""
+    no longer runs them. A leader cut off from the store keeps them
+    (:attr:`Cluster.cut_off`: it still routes over their replicas) until the
+    store answers again."""
     task_status.started()
-    was_leader = cluster.is_leader
+    was_leader = cluster.routes_itself
     while True:
         await trio.sleep(LEADERSHIP_POLL_S)
-        leading = cluster.is_leader
+        leading = cluster.routes_itself
         if was_leader and not leading:
             nodes = [n for n in cluster.nodes.values() if n.connected and n.close is not None]
             if nodes:

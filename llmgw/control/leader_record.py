@@ -111,6 +111,15 @@ class LeaderView:
             return f"the leader is at {record.hubs[0]}"
         return f"the leader's API is at {record.api}"
 
+    def describe(self) -> str:
+        """Who leads, for an admin change a standby refuses: ``the leader
+        is HOLDER, its client API at HOST:PORT`` or ``no leader is known
+        yet``."""
+        record = self.record
+        if record is None or record.holder == self.holder:
+            return "no leader is known yet"
+        return f"the leader is {record.holder}, its client API at {record.api}"
+
     async def publish(self, store: Store, lease: Lease) -> None:
         """Write this control plane's record under ``lease`` once its
         addresses are known.
@@ -144,13 +153,18 @@ async def serve_leader_view(
 ) -> NoReturn:
     """Keep ``view.record`` fresh while this control plane does not lead:
     read every :data:`READ_INTERVAL_S` (a store that cannot be reached is
-    logged once per outage and the last record kept)."""
+    logged once per outage and the last record kept), and the catalog with
+    it, so that a standby coming to lead knows the models at once (the
+    leader's reconciler reads it itself)."""
     task_status.started()
     failing = False
     while True:
         if not cluster.is_leader:
             try:
                 await view.read(store)
+                models = {m.name: m for m in await store.list_models()}
+                if models != cluster.models or not cluster.catalog_loaded:
+                    cluster.load_catalog(models)
             except StoreError as exc:
                 if not failing:
                     log.warning("cannot read where the leader is (%s); retrying", exc)

@@ -215,8 +215,13 @@ class LiveSettings:
                 self.apply(version, current)
                 return version, False
             try:
+                # Fenced by the lease on a leader: a deposed one writes nothing.
                 written = await self._store.put_settings_doc(
-                    new_doc, expected_version=version, actor=actor, note=note
+                    new_doc,
+                    expected_version=version,
+                    actor=actor,
+                    note=note,
+                    fence=self._cluster.lease,
                 )
             except Conflict:
                 if expected_version is not None:

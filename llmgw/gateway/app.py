@@ -61,6 +61,12 @@ class GatewayCluster(ClusterView, Protocol):
     @property
     def is_leader(self) -> bool: ...
 
+    @property
+    def routes_itself(self) -> bool:
+        """``/v1`` is answered here rather than forwarded to the leader:
+        leading, or a leader cut off from the store (``docs/ha.md``)."""
+        ...
+
     def any_ready(self) -> bool:
         """Some model has a ready replica."""
         ...
@@ -183,7 +189,11 @@ class Gateway:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        if self._forward is not None and path.startswith("/v1/") and not self._cluster.is_leader:
+        if (
+            self._forward is not None
+            and path.startswith("/v1/")
+            and not self._cluster.routes_itself
+        ):
             # A standby: the leader answers /v1 (llmgw.gateway.forward),
             # unless this control plane came to lead while it was held.
             held = await self._forward(scope, receive, send)

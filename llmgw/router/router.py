@@ -114,6 +114,12 @@ class ClusterView(Protocol):
         catalog."""
         ...
 
+    def settling_s(self) -> float:
+        """Seconds left in which a new leader's nodes are still linking to
+        it (0 when settled): a model with no ready replica counts as loading
+        meanwhile."""
+        ...
+
 
 class NotReady(errors.Refused):
     """No endpoint of the model (or of its fallbacks) can take the request:
@@ -304,7 +310,12 @@ class Router:
             yield fallback
 
     def loading(self, model: ModelRecord) -> bool:
-        """The model has replicas starting, or loads on demand."""
+        """The model has replicas starting, or loads on demand, or this
+        control plane has just come to lead and its nodes are still linking
+        (:meth:`ClusterView.settling_s`)."""
+        return self._starting(model) or self._cluster.settling_s() > 0
+
+    def _starting(self, model: ModelRecord) -> bool:
         if model.on_demand:
             return True
         return any(
@@ -314,8 +325,13 @@ class Router:
 
     async def wait_loaded(self, model: ModelRecord) -> None:
         """Wait, at most ``on_demand.load_wait``, for the model to have a
-        ready replica (an on-demand model is loaded by this wait)."""
-        with trio.move_on_after(self._cluster.settings.on_demand.load_wait):
+        ready replica (an on-demand model is loaded by this wait); only for
+        the rest of the settling window when that is all that makes it
+        loading."""
+        wait_s = self._cluster.settings.on_demand.load_wait
+        if not self._starting(model):
+            wait_s = min(wait_s, self._cluster.settling_s())
+        with trio.move_on_after(wait_s):
             try:
                 await self._cluster.wait_ready(model.name)
             except LookupError:

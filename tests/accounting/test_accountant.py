@@ -4,6 +4,7 @@ limited level is charged)."""
 from __future__ import annotations
 
 import datetime as dt
+import time
 
 import pytest
 
@@ -14,8 +15,10 @@ from llmgw.accounting.accountant import (
     RateLimited,
     Reservation,
     ScopeLimits,
+    catch_up_budgets,
     format_reset,
 )
+from llmgw.accounting.budgets import period_start
 from llmgw.accounting.prices import PriceBook
 from llmgw.settings import Price
 
@@ -494,3 +497,26 @@ def test_a_request_larger_than_the_limit_says_retrying_will_not_help() -> None:
     assert "shorter prompt" in str(refused)
     within = RateLimited("key:k1", "tokens", 200_000, 199_000, 5_000, 12)
     assert "Please try again in 12s." in str(within)
+
+
+class _SpendStore:
+    """The store's spend by scope since a period's start: ``day`` or ``month`` figures."""
+
+    def __init__(self, day: dict[str, int], month: dict[str, int]) -> None:
+        self.day, self.month = day, month
+
+    async def spend_since_by_scope(self, since: float) -> dict[str, int]:
+        return self.day if since == period_start("day", time.time()) else self.month
+
+
+async def test_a_new_leader_catches_its_budgets_up_with_the_stores_spend() -> None:
+    acc = unmetered()
+    now = time.time()
+    acc.budgets.add("key:own", "day", 900, now)  # served here, not written yet
+    store = _SpendStore(
+        day={"key:own": 400, "team:t_1": 700}, month={"key:own": 400, "team:t_1": 2_000}
+    )
+    await catch_up_budgets(store, acc)  # type: ignore[arg-type]
+    assert acc.spent("key:own", "day", now) == 900
+    assert acc.spent("team:t_1", "day", now) == 700
+    assert acc.spent("team:t_1", "month", now) == 2_000

@@ -23,7 +23,7 @@ from llmgw.app.leadership import (
 )
 from llmgw.control.cluster import Cluster
 from llmgw.control.leader_record import LEADER_KEY, LeaderRecord, LeaderView, serve_leader_view
-from llmgw.store import Fenced, Store, StoreError, open_store
+from llmgw.store import Fenced, ModelRecord, Profile, Store, StoreError, open_store
 
 TTL_S = 1.5
 
@@ -190,3 +190,80 @@ async def test_a_deposed_leaders_record_is_refused(store: Store) -> None:
     with pytest.raises(Fenced):
         await view.publish(store, old)
     assert await store.get_setting(LEADER_KEY) is None
+
+
+async def test_a_leader_cut_off_from_the_store_keeps_routing_until_it_answers(
+    store: Store,
+) -> None:
+    flaky = _Flaky(store)
+    async with trio.open_nursery() as nursery:
+        cluster, _ = await _run(nursery, flaky, "a")
+        assert cluster.is_leader
+        assert cluster.routes_itself
+        assert not cluster.cut_off
+        flaky.down = True
+        await _until(lambda: not cluster.is_leader, TTL_S * 2)
+        # Leader-only work stopped, /v1 still answered here, all the outage.
+        assert cluster.cut_off
+        assert cluster.routes_itself
+        await trio.sleep(TTL_S)
+        assert cluster.cut_off
+        assert not cluster.is_leader
+        flaky.down = False
+        # It contends at once when the store is back and leads again.
+        await _until(lambda: cluster.is_leader, TTL_S * 3)
+        assert not cluster.cut_off
+        assert cluster.routes_itself
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_cut_off_leader_stops_routing_once_another_leads(store: Store) -> None:
+    flaky = _Flaky(store)
+    async with trio.open_nursery() as nursery:
+        cluster, _ = await _run(nursery, flaky, "a")
+        flaky.down = True
+        await _until(lambda: cluster.cut_off, TTL_S * 2)
+        # Another control plane took the expired lease meanwhile.
+        await trio.sleep(0.6)
+        assert await store.acquire_lease(LEASE_NAME, "b", 30, time.time()) is not None
+        flaky.down = False
+        await _until(lambda: not cluster.routes_itself, TTL_S * 3)
+        assert not cluster.is_leader
+        nursery.cancel_scope.cancel()
+
+
+async def test_coming_to_lead_runs_on_lead_each_time(store: Store) -> None:
+    flaky = _Flaky(store)
+    led: list[float] = []
+
+    async def on_lead() -> None:
+        led.append(trio.current_time())
+
+    cluster = Cluster()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            partial(
+                serve_leadership, flaky, cluster, "a", (0, 0), ttl_s=TTL_S, on_lead=on_lead,
+                settle_s=5.0,
+            )
+        )  # fmt: skip
+        await _until(lambda: len(led) == 1, 2)
+        assert 4 < cluster.settling_s() <= 5
+        flaky.down = True
+        await _until(lambda: not cluster.is_leader, TTL_S * 2)
+        assert cluster.settling_s() == 0
+        flaky.down = False
+        await _until(lambda: len(led) == 2, TTL_S * 3)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_standby_knows_the_catalog_before_it_leads(store: Store) -> None:
+    await store.put_model(ModelRecord(name="m", profiles=(Profile(engine="sim"),)))
+    holder = await store.acquire_lease(LEASE_NAME, "elsewhere", 60, time.time())
+    assert holder is not None
+    async with trio.open_nursery() as nursery:
+        cluster, _ = await _run(nursery, store, "b")
+        assert not cluster.is_leader
+        await _until(lambda: "m" in cluster.models, 5)
+        assert cluster.catalog_loaded
+        nursery.cancel_scope.cancel()

@@ -73,3 +73,13 @@ def test_agent_on_a_state_directory_another_agent_holds_says_so_in_one_line(
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit), result.exception
     assert f"Error: another llmgw agent is using the state directory {state}" in result.output
+
+
+def test_server_refuses_a_lease_ttl_that_is_no_duration_or_too_short(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for value, says in (("1", "at least 2 s"), ("soon", "not a duration")):
+        result = runner.invoke(cli, ["server", "--data-dir", str(tmp_path), "--lease-ttl", value])
+        assert result.exit_code == 2
+        assert "--lease-ttl" in result.output
+        assert says in result.output
+    assert not (tmp_path / "llmgw.db").exists()  # nothing started

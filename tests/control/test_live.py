@@ -61,6 +61,7 @@ class SettingsStore:
         expected_version: int | None,
         actor: str,
         note: str = "",
+        fence: Any = None,
     ) -> int:
         self._check()
         current = len(self.history)

@@ -9,81 +9,36 @@ next link is refused as revoked."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 import yaml
 
+if TYPE_CHECKING:
+    from tests.e2e.processes import Process, free_ports, llmgw, started_processes, wait_until
+else:  # tests is no package: pytest puts this folder on sys.path
+    from processes import Process, free_ports, llmgw, started_processes, wait_until
+
 NODE = "node-e2e"
 MODEL = "sim-remote"
 
 
-def _wait(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
-def _dead_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class _Process:
-    def __init__(self, argv: list[str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.process = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        assert self.process.poll() is None, self.log()
-        return True
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._log.close()
-
-
 @pytest.fixture(name="started")
-def started_fixture() -> Iterator[list[_Process]]:
-    processes: list[_Process] = []
-    yield processes
-    for process in reversed(processes):
-        process.stop()
+def started_fixture() -> Iterator[list[Process]]:
+    yield from started_processes()
 
 
 def test_a_node_links_over_mutual_tls_serves_and_is_removed(
-    tmp_path: Path, started: list[_Process]
+    tmp_path: Path, started: list[Process]
 ) -> None:
     data_dir = tmp_path / "cp"
     node_dir = tmp_path / "node"
-    server = _Process(
+    server = Process(
         [
             sys.executable, "-m", "llmgw.cli", "server", "--data-dir", str(data_dir),
             "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
@@ -93,18 +48,9 @@ def test_a_node_links_over_mutual_tls_serves_and_is_removed(
         tmp_path / "server.log",
     )  # fmt: skip
     started.append(server)
-    _wait(lambda: server.alive() and "ready in" in server.log(), 60, "the server's ready line")
+    wait_until(lambda: server.alive() and "ready in" in server.log(), 60, "the server's ready line")
     run = json.loads((data_dir / "run.json").read_text())
     hub = f"wss://{run['agent_hub']}/agent"
-
-    def llmgw(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "llmgw.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
 
     added = llmgw("node", "add", "--labels", "rack=r1", "--json", "--data-dir", str(data_dir))
     assert added.returncode == 0, added.stderr
@@ -115,10 +61,10 @@ def test_a_node_links_over_mutual_tls_serves_and_is_removed(
     doc = yaml.safe_load(agent_yaml.read_text())
     assert doc["servers"] == [hub]
     # A dead control plane first: the agent tries it, then the next.
-    dead = f"wss://127.0.0.1:{_dead_port()}/agent"
+    dead = f"wss://127.0.0.1:{free_ports(1)[0]}/agent"
     doc["servers"] = [dead, hub]
     agent_yaml.write_text(yaml.safe_dump(doc))
-    agent = _Process(
+    agent = Process(
         [sys.executable, "-m", "llmgw.cli", "agent", "--config", str(node_dir / "agent.yaml")],
         tmp_path / "agent.log",
     )
@@ -134,7 +80,7 @@ def test_a_node_links_over_mutual_tls_serves_and_is_removed(
         found = [n for n in json.loads(result.stdout)["data"] if n["node_id"] == NODE]
         return found[0] if found and found[0]["connected"] else None
 
-    registered = _wait(node, 60, f"{NODE} registered:\n{agent.log()}\n{server.log()}")
+    registered = wait_until(node, 60, f"{NODE} registered:\n{agent.log()}\n{server.log()}")
     assert registered["address"] == "127.0.0.1"
     assert registered["interface"] == "lo"
     assert registered["labels"] == {"rack": "r1"}
@@ -143,7 +89,7 @@ def test_a_node_links_over_mutual_tls_serves_and_is_removed(
     # The dead control plane was tried first, then the live one.
     assert f"cannot reach the control plane at {dead}" in agent.log()
     kept = node_dir / "agent" / "control-planes.json"
-    _wait(kept.exists, 10, "the control planes' list kept")
+    wait_until(kept.exists, 10, "the control planes' list kept")
     assert json.loads(kept.read_text())["urls"] == [hub]
 
     added = ctl("model", "add", MODEL, "--engine", "sim", "--min-memory-gb", "0.1")
@@ -153,7 +99,7 @@ def test_a_node_links_over_mutual_tls_serves_and_is_removed(
         result = ctl("replicas", "--json")
         return [r for r in json.loads(result.stdout)["data"] if r["state"].lower() == "ready"]
 
-    replicas = _wait(ready, 120, f"a READY replica:\n{agent.log()}")
+    replicas = wait_until(ready, 120, f"a READY replica:\n{agent.log()}")
     assert replicas[0]["node_id"] == NODE
     key = (data_dir / "client-key").read_text().strip()
     answer = httpx.post(
@@ -176,23 +122,23 @@ def test_a_node_links_over_mutual_tls_serves_and_is_removed(
         found = [n for n in json.loads(result.stdout)["data"] if n["node_id"] == NODE]
         return bool(found) and not found[0]["connected"]
 
-    _wait(disconnected, 30, f"{NODE} disconnected")
+    wait_until(disconnected, 30, f"{NODE} disconnected")
     removed = ctl("nodes", "remove", NODE)
     assert removed.returncode == 0, removed.stderr
     assert removed.stdout.startswith(f"node {NODE} removed: 1 certificate(s) revoked")
     assert "its agent stops the engines it still runs when it next connects" in removed.stdout
-    agent = _Process(
+    agent = Process(
         [sys.executable, "-m", "llmgw.cli", "agent", "--config", str(node_dir / "agent.yaml")],
         tmp_path / "agent-again.log",
     )
     started.append(agent)
-    _wait(
+    wait_until(
         lambda: "certificate revoked at" in agent.log(),
         60,
         f"the agent told its certificate is revoked:\n{agent.log()}",
     )
     assert "the control plane refused this node" in agent.log()
-    _wait(
+    wait_until(
         lambda: "stopped its 1 engine(s); this node is not in the cluster" in agent.log(),
         60,
         f"the agent stopped its engines:\n{agent.log()}",

@@ -55,6 +55,7 @@ class FakeCluster:
         self.endpoints: dict[str, list[Endpoint]] = {}
         self.touched: list[str] = []
         self.changed = trio.Event()
+        self.settling = 0.0
 
     def ready_endpoints(self, model: str) -> list[Endpoint]:
         return self.endpoints.get(model, [])
@@ -67,6 +68,9 @@ class FakeCluster:
             raise LookupError(model)
         while not self.ready_endpoints(model):
             await self.changed.wait()
+
+    def settling_s(self) -> float:
+        return self.settling
 
     def add(self, model: str, *replica_ids: str, slots: int = 0) -> list[Endpoint]:
         """Ready endpoints for ``model``; the cluster's waiters are woken."""
@@ -575,3 +579,42 @@ async def test_a_client_leaving_counts_nothing_against_the_replica_and_frees_the
     assert again.endpoint is e
     e.lose()  # found dead later: still nothing counted for the 499
     assert e.breaker.consecutive_failures == 1
+
+
+async def test_a_new_leader_holds_a_request_while_its_nodes_link(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    m = model("m")
+    cluster = FakeCluster(m)
+    cluster.settling = 5.0  # a new leader whose nodes are still linking
+    router = Router(cluster, clock=trio.current_time)
+    start = trio.current_time()
+
+    async def link_later() -> None:
+        await trio.sleep(1.5)
+        cluster.add("m", "m-0")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link_later)
+        attempt = await route(router, m).next()
+    assert attempt.endpoint.replica_id == "m-0"
+    assert trio.current_time() - start == pytest.approx(1.5, abs=0.01)
+
+
+async def test_a_new_leader_refuses_once_the_settling_window_is_over(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    m = model("m")
+    cluster = FakeCluster(m)
+    cluster.settling = 2.0
+    router = Router(cluster, clock=trio.current_time)
+    start = trio.current_time()
+    with pytest.raises(NotReady):
+        await route(router, m).next()
+    # Held for the window's rest only, not on_demand.load_wait.
+    assert trio.current_time() - start == pytest.approx(2.0, abs=0.01)
+    cluster.settling = 0.0
+    start = trio.current_time()
+    with pytest.raises(NotReady):
+        await route(router, m).next()
+    assert trio.current_time() - start == 0

@@ -371,3 +371,53 @@ async def test_a_takeover_waits_for_a_fenced_write_already_checked(postgres_db: 
         assert await store.get_model("m") is not None
         with pytest.raises(Fenced):
             await store.delete_model("m", fence=old)
+
+
+# --- the store unreachable ---------------------------------------------------
+
+
+async def test_an_unreachable_store_fails_fast_while_one_call_tries(postgres_db: str) -> None:
+    dbname = conninfo_to_dict(postgres_db)["dbname"]
+    admin_address = postgres_db.rsplit("/", 1)[0] + "/postgres"
+
+    def cut(allow: bool) -> None:
+        with psycopg.connect(admin_address, autocommit=True) as admin:
+            admin.execute(f"ALTER DATABASE {dbname} WITH ALLOW_CONNECTIONS {str(allow).lower()}")
+            if not allow:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                    (dbname,),
+                )
+
+    async with open_postgres_store(postgres_db) as store:
+        await store.put_setting("k", 1)
+        await trio.to_thread.run_sync(cut, False)
+        try:
+            with pytest.raises(StoreError):
+                await store.get_setting("k")  # finds it unreachable
+            outcomes: list[str] = []
+
+            async def call() -> None:
+                try:
+                    await store.get_setting("k")
+                except StoreError as exc:
+                    outcomes.append(str(exc))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(call)
+            assert len(outcomes) == 4
+            # One tries; the others fail at once meanwhile.
+            assert sum("not tried again yet" in o for o in outcomes) >= 2, outcomes
+        finally:
+            await trio.to_thread.run_sync(cut, True)
+
+        async def answers() -> bool:
+            try:
+                return await store.get_setting("k") == 1
+            except StoreError:
+                return False
+
+        with trio.fail_after(60):
+            while not await answers():  # noqa: ASYNC110 (the store, polled)
+                await trio.sleep(0.5)

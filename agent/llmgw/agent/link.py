@@ -86,7 +86,7 @@ BACKOFF_MAX_S: Final = 15.0
 SESSION_ENDERS: Final = (errors.LinkError, OSError)
 #: After every control plane refused as a standby (or failed), the wait
 #: before the list is tried again, in seconds.
-STANDBY_RETRY_S: Final = 1.0
+STANDBY_RETRY_S: Final = 0.5
 #: Where the control planes the leader sent are kept, in the state directory.
 CONTROL_PLANES_FILE: Final = "control-planes.json"
 

@@ -222,8 +222,22 @@ def guard_command(seconds: float, as_json: bool) -> None:
     required=True,
     help="Where its store and usage journal go.",
 )
+@click.option(
+    "--store",
+    "store_address",
+    default=None,
+    metavar="ADDRESS",
+    help="A PostgreSQL address for the store (keys, usage rows) instead of SQLite in "
+    "--data-dir; the usage journal stays in --data-dir.",
+)
 def gateway_command(
-    engine_url: str, engine_key: str, model: str, mode: str, listen: str, data_dir: Path
+    engine_url: str,
+    engine_key: str,
+    model: str,
+    mode: str,
+    listen: str,
+    data_dir: Path,
+    store_address: str | None,
 ) -> None:
     """The gateway alone in front of one engine (started by `bench overhead`)."""
     from .gateway import run_bench_gateway
@@ -236,6 +250,7 @@ def gateway_command(
             listen=listen,
             mode=mode,
             data_dir=data_dir,
+            store_address=store_address,
         )
     )
 

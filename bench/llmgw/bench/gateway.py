@@ -66,8 +66,11 @@ async def run_bench_gateway(
     listen: str,
     mode: str,
     data_dir: Path,
+    store_address: str | None = None,
 ) -> None:
-    """Serve until a signal; see the module docstring.
+    """Serve until a signal; see the module docstring. The store is
+    ``store_address`` (a PostgreSQL address, ``docs/store.md``) when given,
+    else SQLite in ``data_dir``; the usage journal stays in ``data_dir``.
 
     Raises:
         ValueError: an unknown mode or an engine URL without host and port.
@@ -80,7 +83,7 @@ async def run_bench_gateway(
     if not parts.hostname or not parts.port:
         raise ValueError(f"--engine-url {engine_url!r} needs a host and a port")
     stop = trio.Event()
-    async with open_store(str(data_dir / "llmgw.db")) as store:
+    async with open_store(store_address or str(data_dir / "llmgw.db")) as store:
         now = time.time()
         path, _ = await store.ensure_project("bench", "bench", mode, now)
         # Limits high enough never to refuse, set at every level, so the

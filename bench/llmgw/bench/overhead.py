@@ -256,9 +256,12 @@ async def start_bench_gateway(
     data_dir: Path,
     cores: set[int] | None,
     env: dict[str, str],
+    store_address: str | None = None,
 ) -> tuple[trio.Process, dict[str, Any]]:
     """Start ``llmgw bench gateway`` in front of the engine, pinned to
-    ``cores``; return the process and its first line (``listen``, ``key``, ``pid``)."""
+    ``cores``, its store at ``store_address`` (``None``: SQLite in
+    ``data_dir``); return the process and its first line (``listen``,
+    ``key``, ``pid``)."""
     process, first = await _start(
         _argv(
             [
@@ -279,6 +282,7 @@ async def start_bench_gateway(
                 "127.0.0.1:0",
                 "--data-dir",
                 str(data_dir),
+                *(["--store", store_address] if store_address else []),
             ],
             cores,
         ),

@@ -24,6 +24,17 @@ Every connection is made with (unless the address sets them itself):
 The pool checks a connection before handing it out, so one broken by a
 failover is replaced rather than failing the next call.
 
+A store found unreachable fails fast: a call waiting for a connection
+gives up as soon as the pool's attempts to make one fail (rather than
+after :data:`POOL_WAIT_S`, which stays the wait while every connection is
+merely busy), and for :data:`UNREACHABLE_HOLD_S` after such a failure (or
+a connection that broke) every call raises :class:`~llmgw.store.StoreError`
+at once, checked when it gets its worker thread, but one at a time, which
+tries (waiting at most :data:`PROBE_WAIT_S`). So while PostgreSQL is down
+the callers that can do without it (a key already seen, the usage journal)
+do so at once instead of queueing behind 10 s waits (``docs/ha.md``, the
+store down).
+
 Migrations: numbered ``NNNN_what.sql`` files in ``migrations/postgres/``,
 applied at open, each in its own transaction with its ``schema_migrations``
 row, under a transaction-scoped advisory lock, so two control planes
@@ -49,6 +60,7 @@ import importlib.resources
 import json
 import logging
 import random
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from functools import partial
@@ -140,6 +152,15 @@ POOL_WAIT_S: Final = 10.0
 """How long a call waits for a pooled connection (all busy, or none can be
 made) before it fails."""
 OPEN_WAIT_S: Final = 30.0
+UNREACHABLE_HOLD_S: Final = 2.0
+"""After a call found the store unreachable, how long other calls fail at
+once (one at a time still tries), in seconds; renewed by each failure."""
+PROBE_WAIT_S: Final = 3.0
+"""How long the one call that tries an unreachable store waits for a
+connection, in seconds."""
+WAIT_SLICE_S: Final = 0.25
+"""A call waiting for a connection looks this often whether the pool's
+attempts to make one fail, in seconds."""
 """How long opening waits for the pool's first connection."""
 MIGRATION_LOCK_TIMEOUT_S: Final = 60.0
 """How long a migration waits for another control plane's migration or for
@@ -261,6 +282,11 @@ class PostgresStore:
         self._where = where
         self._limiter = limiter
         self._closed = False
+        #: time.monotonic() until which the store counts unreachable.
+        self._down_until = 0.0
+        self._down_why = ""
+        self._probing = False
+        self._state_lock = threading.Lock()
 
     @property
     def where(self) -> str:
@@ -277,15 +303,66 @@ class PostgresStore:
 
     async def _run(self, fn: Callable[[_Conn], _T]) -> _T:
         """Run ``fn(conn)`` on a pooled connection in a worker thread; retry
-        serialization failures and deadlocks; translate errors."""
+        serialization failures and deadlocks; translate errors. Fails at
+        once while the store counts unreachable, unless it is the one call
+        that tries (the module docstring)."""
 
         def guarded() -> _T:
+            # In the worker thread: a call queued for a thread while the
+            # store went down fails here at once.
             if self._closed:
                 raise StoreError(f"the PostgreSQL store {self._where} is closed")
-            with self._pool.connection(timeout=POOL_WAIT_S) as conn:
-                return fn(conn)
+            with self._state_lock:
+                probe = time.monotonic() < self._down_until
+                if probe and self._probing:
+                    raise StoreError(
+                        f"PostgreSQL store {self._where} unreachable ({self._down_why}); "
+                        "not tried again yet"
+                    )
+                self._probing = self._probing or probe
+            try:
+                conn = self._connection(PROBE_WAIT_S if probe else POOL_WAIT_S)
+                try:
+                    with conn:
+                        result = fn(conn)
+                finally:
+                    self._pool.putconn(conn)
+            except psycopg.OperationalError as exc:
+                if _unreachable(exc):
+                    with self._state_lock:
+                        self._down_until = time.monotonic() + UNREACHABLE_HOLD_S
+                        self._down_why = str(exc).strip().splitlines()[0][:200]
+                raise
+            else:
+                self._down_until = 0.0
+                return result
+            finally:
+                if probe:
+                    self._probing = False
 
         return await _call(guarded, self._limiter, self._where)
+
+    def _connection(self, wait_s: float) -> _Conn:
+        """A pooled connection within ``wait_s`` (in a worker thread).
+
+        Raises:
+            psycopg_pool.PoolTimeout: none within ``wait_s``.
+            psycopg.OperationalError: the pool's attempts to make one failed
+                meanwhile (the store cannot be reached).
+        """
+        deadline = time.monotonic() + wait_s
+        failed = self._pool.get_stats().get("connections_errors", 0)
+        while True:
+            left_s = deadline - time.monotonic()
+            try:
+                return self._pool.getconn(timeout=max(0.01, min(WAIT_SLICE_S, left_s)))
+            except psycopg_pool.PoolTimeout:
+                if time.monotonic() >= deadline:
+                    raise
+                if self._pool.get_stats().get("connections_errors", 0) > failed:
+                    raise psycopg.OperationalError(
+                        "no connection can be made (the pool's attempts failed)"
+                    ) from None
 
     # --- secrets -------------------------------------------------------------
     async def get_or_create_secret(self, name: str, make: Callable[[], bytes]) -> bytes:
@@ -809,6 +886,16 @@ async def _call(fn: Callable[[], _T], limiter: trio.CapacityLimiter, where: str)
             ) from exc
         except psycopg.Error as exc:
             raise StoreError(f"PostgreSQL store {where}: {str(exc).strip()}") from exc
+
+
+def _unreachable(exc: psycopg.OperationalError) -> bool:
+    """``exc`` says no connection could be made, or one broke: not a
+    statement's or a lock's timeout, nor a pool whose connections were all
+    busy for the whole wait (:class:`psycopg_pool.PoolTimeout`)."""
+    return not isinstance(
+        exc,
+        psycopg_pool.PoolTimeout | psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable,
+    )
 
 
 def _packaged_migrations_dir() -> Traversable:
