@@ -18,7 +18,7 @@ import attrs
 from llmgw.settings import GUARD_ACTIONS, GuardJudge, GuardPolicy, GuardRules, GuardSettings
 
 from .matcher import Matcher, Rule
-from .patterns import INJECTION, PII, SECRETS, Kind
+from .patterns import INJECTION, SECRETS, Kind, pii_kinds
 
 __all__ = ["Direction", "Guard", "Guards", "policy_names"]
 
@@ -98,7 +98,12 @@ def _combine(rules: Sequence[tuple[str, GuardRules]], *, input: bool) -> Directi
     chosen: list[Rule] = []
     if secrets != "off":
         chosen += [Rule(kind, secrets) for kind in SECRETS]
-    chosen += [Rule(PII[kind], action) for kind, action in pii.items() if action != "off"]
+    chosen += [
+        Rule(each, action)
+        for kind, action in pii.items()
+        if action != "off"
+        for each in pii_kinds(kind)
+    ]
     if injection != "off":
         chosen += [Rule(kind, injection) for kind in INJECTION]
     chosen += [Rule(kind, "block") for kind in deny]
