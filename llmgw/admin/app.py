@@ -39,6 +39,7 @@ from llmgw.store import Store
 
 from .config import add_config_routes
 from .errors import install
+from .guard import add_guard_routes
 from .join_codes import add_join_code_routes
 from .keys import KeysService, add_key_routes
 from .models import add_model_routes
@@ -100,4 +101,5 @@ def make_admin_app(
     add_model_routes(app, store, cluster, data_dir=data_dir)
     add_node_routes(app, cluster, live, store)
     add_join_code_routes(app, join)
+    add_guard_routes(app, cluster)
     return app
