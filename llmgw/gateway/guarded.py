@@ -26,7 +26,7 @@ from llmgw.router.router import Router
 from llmgw.store import ModelRecord
 
 from .chat_stream import DONE, ChatChunkReader
-from .sse import Usage
+from .sse import SseRelay, Usage
 from .upstream import UpstreamError
 
 __all__ = ["DocShape", "GuardedStream", "JudgeAsk", "PromptJudge", "guard_answer"]
@@ -96,6 +96,7 @@ class DocShape(Protocol):
     content_chunks: int
     done: bool
 
+    def feed(self, data: bytes) -> bytes: ...
     def feed_docs(self, docs: list[Any]) -> bytes: ...
     def finish(self) -> bytes: ...
 
@@ -113,6 +114,9 @@ class GuardedStream:
         self._calls: dict[int, set[int]] = {}
         #: Choices stopped by a rule over a tool call's arguments.
         self._cut: set[int] = set()
+        #: Rules that only flag, in front of the OpenAI relay: the engine's
+        #: bytes go on as they came (read, not written again).
+        self._passthrough = not guard.changes_text and isinstance(shape, SseRelay)
 
     @property
     def usage(self) -> Usage | None:
@@ -129,12 +133,18 @@ class GuardedStream:
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return what the client gets now."""
         docs = self._reader.feed(data)
+        if self._passthrough:
+            self._guarded(docs)
+            return self._shape.feed(data)
         if not docs:
             return b""
         return self._shape.feed_docs(self._guarded(docs))
 
     def finish(self) -> bytes:
         """The engine closed the stream: the last event, anything held, the end."""
+        if self._passthrough:
+            self._guarded(self._reader.close())
+            return self._shape.finish()
         docs = self._guarded(self._reader.close())
         self._flush(docs)
         out = self._shape.feed_docs(docs) if docs else b""

@@ -120,6 +120,12 @@ class OutputGuard:
         """Whether an answer's text can change or be stopped."""
         return self._checks or self._restore
 
+    @property
+    def changes_text(self) -> bool:
+        """Whether some rule may change or stop the text, or restore puts
+        values back (else: flags only, the text goes on as it came)."""
+        return self._restore or (self._checks and self._acts)
+
     def stopped(self, index: int) -> bool:
         """Whether choice ``index`` was stopped by a rule."""
         choice = self._choices.get(index)
