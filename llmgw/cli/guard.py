@@ -12,7 +12,10 @@ from llmgw.admin.client import AdminClient
 
 from .options import data_dir_option, json_option, print_json
 
-__all__ = ["ctl_guard"]
+__all__ = ["CHECK_TIMEOUT_S", "ctl_guard"]
+
+#: The longest ``ctl guard judge check`` waits for its answer, seconds.
+CHECK_TIMEOUT_S = 900.0
 
 
 @click.group("guard")
@@ -45,7 +48,11 @@ def judge_check(data_dir: Path, model: str | None, policy: str | None, as_json: 
         body["model"] = model
     if policy:
         body["policy"] = policy
-    doc = AdminClient.from_data_dir(data_dir).call("POST", "/api/v1/guard/judge/check", json=body)
+    # Seven judgments, each up to twice the budget: more than the admin
+    # client's usual wait.
+    doc = AdminClient.from_data_dir(data_dir).call(
+        "POST", "/api/v1/guard/judge/check", json=body, timeout=CHECK_TIMEOUT_S
+    )
     if as_json:
         print_json(doc)
         return

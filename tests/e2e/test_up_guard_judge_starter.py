@@ -6,6 +6,8 @@ it is answered; ``ctl guard judge check`` times it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -80,7 +82,25 @@ def test_the_starter_model_judges_prompts_and_the_check_times_it(
     finally:
         client.close()
 
-    result = up.cli("ctl", "guard", "judge", "check", "--json")
+    # Seven judgments by a CPU model: longer than up.cli's minute.
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmgw.cli",
+            "ctl",
+            "guard",
+            "judge",
+            "check",
+            "--json",
+            "--data-dir",
+            str(up.data_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["model"] == MODEL
