@@ -355,7 +355,7 @@ class NodesSettings:
 #: ``content_filter``), from the mildest to the strictest.
 GUARD_ACTIONS: Final = ("off", "flag", "mask", "redact", "block")
 #: The PII kinds a policy's ``pii`` may name.
-GUARD_PII_KINDS: Final = ("email", "phone", "card", "iban", "ssn", "ip")
+GUARD_PII_KINDS: Final = ("email", "phone", "card", "iban", "ssn", "ip", "person")
 _INJECTION_ACTIONS: Final = ("off", "flag", "block")
 
 

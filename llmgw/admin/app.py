@@ -48,6 +48,7 @@ from llmgw.store import Store
 
 from .config import add_config_routes
 from .errors import NotLeader, install
+from .guard import add_guard_routes
 from .join_codes import add_join_code_routes
 from .keys import KeysService, add_key_routes
 from .models import add_model_routes
@@ -128,4 +129,5 @@ def make_admin_app(
     add_node_routes(app, cluster, live, store)
     add_join_code_routes(app, join)
     add_people_routes(app, store, people or People(store, secrets.token_bytes(32)))
+    add_guard_routes(app, cluster)
     return app

@@ -13,6 +13,7 @@ from __future__ import annotations
 import click
 
 from .config import ctl_config
+from .guard import ctl_guard
 from .models import ctl_explain_placement, ctl_model, ctl_models, ctl_scale
 from .nodes import ctl_logs, ctl_nodes, ctl_replicas, node_commands
 from .serving import ctl_status
@@ -41,5 +42,6 @@ for _command in (
     ctl_usage,
     ctl_weights,
     *node_commands,
+    ctl_guard,
 ):
     ctl.add_command(_command)

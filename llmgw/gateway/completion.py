@@ -200,7 +200,7 @@ class Completions:
                     raise
             # Guardrails on the prompt, before the limits and the cache
             # (docs/guardrails.md, Order).
-            guard = self._guards.for_request(
+            guard = await self._guards.for_request_async(
                 settings.guard,
                 key.id,
                 scope_ids,

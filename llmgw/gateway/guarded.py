@@ -26,7 +26,7 @@ from llmgw.router.router import Router
 from llmgw.store import ModelRecord
 
 from .chat_stream import DONE, ChatChunkReader
-from .sse import Usage
+from .sse import SseRelay, Usage
 from .upstream import UpstreamError
 
 __all__ = ["DocShape", "GuardedStream", "JudgeAsk", "PromptJudge", "guard_answer"]
@@ -41,7 +41,9 @@ def _index(choice: dict[str, Any]) -> int:
 
 def guard_answer(whole: dict[str, Any], guard: OutputGuard) -> bool:
     """Guard a whole ``chat.completion`` or ``text_completion`` in place
-    (each choice's ``message.content`` or ``text``); whether it changed."""
+    (each choice's ``message.content`` or ``text``, and its tool calls'
+    arguments: a call a rule blocks is dropped, the choice ends in
+    ``content_filter``); whether it changed."""
     changed = False
     choices = whole.get("choices")
     if not isinstance(choices, list):
@@ -61,6 +63,28 @@ def guard_answer(whole: dict[str, Any], guard: OutputGuard) -> bool:
         if stopped:
             choice["finish_reason"] = CONTENT_FILTER
             changed = True
+    for choice in choices:
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict) or choice.get("finish_reason") == CONTENT_FILTER:
+            continue
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                continue
+            arguments = function.get("arguments")
+            if not isinstance(arguments, str) or not arguments:
+                continue
+            out, stopped = guard.whole(arguments)
+            if stopped:
+                # A call refused is not made: no tool call at all.
+                message.pop("tool_calls", None)
+                choice["finish_reason"] = CONTENT_FILTER
+                changed = True
+                break
+            if out != arguments:
+                function["arguments"] = out
+                changed = True
     return changed
 
 
@@ -72,6 +96,7 @@ class DocShape(Protocol):
     content_chunks: int
     done: bool
 
+    def feed(self, data: bytes) -> bytes: ...
     def feed_docs(self, docs: list[Any]) -> bytes: ...
     def finish(self) -> bytes: ...
 
@@ -85,6 +110,13 @@ class GuardedStream:
         self._guard = guard
         self._reader = ChatChunkReader()
         self._open: set[int] = set()
+        #: Choice → its tool calls (by index) whose arguments are open.
+        self._calls: dict[int, set[int]] = {}
+        #: Choices stopped by a rule over a tool call's arguments.
+        self._cut: set[int] = set()
+        #: Rules that only flag, in front of the OpenAI relay: the engine's
+        #: bytes go on as they came (read, not written again).
+        self._passthrough = not guard.changes_text and isinstance(shape, SseRelay)
 
     @property
     def usage(self) -> Usage | None:
@@ -101,12 +133,18 @@ class GuardedStream:
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return what the client gets now."""
         docs = self._reader.feed(data)
+        if self._passthrough:
+            self._guarded(docs)
+            return self._shape.feed(data)
         if not docs:
             return b""
         return self._shape.feed_docs(self._guarded(docs))
 
     def finish(self) -> bytes:
         """The engine closed the stream: the last event, anything held, the end."""
+        if self._passthrough:
+            self._guarded(self._reader.close())
+            return self._shape.finish()
         docs = self._guarded(self._reader.close())
         self._flush(docs)
         out = self._shape.feed_docs(docs) if docs else b""
@@ -114,6 +152,21 @@ class GuardedStream:
 
     def _flush(self, docs: list[Any]) -> None:
         """Append what is still held for choices the engine never finished."""
+        for index in sorted(self._calls):
+            delta: dict[str, Any] = {}
+            stopped = self._tool_args(index, delta, True)
+            if delta or stopped:
+                docs.append(
+                    {
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": delta,
+                                "finish_reason": CONTENT_FILTER if stopped else None,
+                            }
+                        ]
+                    }
+                )
         for index in sorted(self._open):
             rest, stopped = self._guard.close(index)
             if rest or stopped:
@@ -144,8 +197,10 @@ class GuardedStream:
                 delta = choice.get("delta")
                 holder, field = (delta, "content") if isinstance(delta, dict) else (choice, "text")
                 finish = choice.get("finish_reason")
-                if guard.stopped(index):
+                if guard.stopped(index) or index in self._cut:
                     holder.pop(field, None)
+                    if isinstance(delta, dict):
+                        delta.pop("tool_calls", None)
                     choice["finish_reason"] = None
                     continue
                 text = holder.get(field)
@@ -161,10 +216,60 @@ class GuardedStream:
                     self._open.discard(index)
                 if text or field in holder:
                     holder[field] = text
+                if (
+                    not stopped
+                    and isinstance(delta, dict)
+                    and self._tool_args(index, delta, bool(finish))
+                ):
+                    stopped = True
+                    self._cut.add(index)
                 if stopped:
                     choice["finish_reason"] = CONTENT_FILTER
                     self._open.discard(index)
         return out
+
+    def _tool_args(self, index: int, delta: dict[str, Any], finish: bool) -> bool:
+        """Guard the tool calls' argument pieces in ``delta`` in place (each
+        call's arguments a text of their own); with ``finish``, what is held
+        of them is added. Whether a rule stopped the choice (its tool calls
+        then dropped from ``delta``)."""
+        guard = self._guard
+        calls = delta.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if not isinstance(function, dict) or not isinstance(arguments, str) or not arguments:
+                continue
+            at = _index(call)
+            self._calls.setdefault(index, set()).add(at)
+            text, stopped = guard.feed(_tool_key(index, at), arguments)
+            if stopped:
+                delta.pop("tool_calls", None)
+                self._calls.pop(index, None)
+                return True
+            function["arguments"] = text
+        if not finish:
+            return False
+        rests: list[dict[str, Any]] = []
+        for at in sorted(self._calls.pop(index, ())):
+            rest, stopped = guard.close(_tool_key(index, at))
+            if stopped:
+                delta.pop("tool_calls", None)
+                return True
+            if rest:
+                rests.append({"index": at, "function": {"arguments": rest}})
+        if rests:
+            if isinstance(calls, list):
+                calls.extend(rests)
+            else:
+                delta["tool_calls"] = rests
+        return False
+
+
+def _tool_key(index: int, call: int) -> int:
+    """The output guard's key for choice ``index``'s tool call ``call``
+    (negative: apart from the choices and from whole answers' -1)."""
+    return -2 - index * 1024 - call
 
 
 # --- the judge (docs/guardrails.md, The judge) ------------------------------------------

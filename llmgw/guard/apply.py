@@ -175,8 +175,8 @@ def guard_chat_doc(
     doc: dict[str, Any], rules: Direction, verdict: Verdict, redactor: Redactor
 ) -> bool:
     """Guard every text of a chat, completions or embeddings body in place
-    (messages' contents and text parts, ``prompt``, ``input``); ``max_chars``
-    counts them all together.
+    (messages' contents and text parts, their tool calls' arguments,
+    ``prompt``, ``input``); ``max_chars`` counts them all together.
 
     Returns:
         Whether anything was changed.
@@ -212,6 +212,12 @@ def guard_chat_doc(
                     for part in content:
                         if isinstance(part, dict) and isinstance(part.get("text"), str):
                             part["text"] = one(part["text"])
+                # Tool calls' arguments (a JSON text) are read by tools and models too.
+                calls = message.get("tool_calls")
+                for call in calls if isinstance(calls, list) else ():
+                    function = call.get("function") if isinstance(call, dict) else None
+                    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                        function["arguments"] = one(function["arguments"])
         for field in ("prompt", "input"):
             value = doc.get(field)
             if isinstance(value, str):

@@ -31,8 +31,10 @@ __all__ = [
     "STREAM_WINDOW_CHARS",
     "Ask",
     "Judge",
+    "JudgeCheck",
     "JudgeUnavailable",
     "JudgeVerdict",
+    "check_judge",
     "judge_messages",
     "parse_reply",
     "pieces",
@@ -315,3 +317,109 @@ class Judge:
             self.hedged += 1
             nursery.start_soon(call, trio.Event())
         return got[0] if got else None
+
+
+# --- llmgw ctl guard judge check ------------------------------------------------------
+
+#: What the check asks the judge: ordinary prompts of a few hundred tokens,
+#: each different (no cache is involved: the judge is asked directly).
+_CHECK_TEXT: Final = (
+    "Sample {n}: please summarise the following meeting notes for the team. "
+    "The quarterly review covered the roadmap, hiring, and the migration of the "
+    "billing service to the new cluster; the team agreed to freeze features two "
+    "weeks before the release, to run the load tests on the staging cluster, and "
+    "to write down the rollback steps. Open questions: who owns the on-call rota "
+    "in December, and whether the old dashboards can be retired. "
+) * 4
+
+
+@attrs.frozen
+class JudgeCheck:
+    """What ``llmgw ctl guard judge check`` measured.
+
+    Attributes:
+        model: the judge asked.
+        budget_s: its ``latency_budget``.
+        alone_s: the seconds of 3 judgments in sequence (None: no verdict).
+        burst_s: the seconds of each of 4 judgments sent at once.
+        judgments_per_s: 4 over the slowest of the burst.
+        requests_per_s: half that (a request judged in and out).
+        verdict: ``ok``, ``tight`` (one judgment over half the budget, or
+            the burst over it) or ``too slow`` (one alone over the budget,
+            or no verdict).
+        advice: what to change, when not ``ok``.
+    """
+
+    model: str
+    budget_s: float
+    alone_s: tuple[float | None, ...]
+    burst_s: tuple[float | None, ...]
+    judgments_per_s: float
+    requests_per_s: float
+    verdict: str
+    advice: tuple[str, ...]
+
+
+async def check_judge(judge: GuardJudge, ask: Ask) -> JudgeCheck:
+    """Time 3 judgments in sequence, then a burst of 4 at once, each within
+    twice the budget (a judgment past it counts as no verdict); the verdict
+    and advice of ``docs/guardrails.md`` (The judge: check). It never
+    changes any setting."""
+    budget = judge.latency_budget
+    count = 0
+
+    async def one() -> float | None:
+        nonlocal count
+        count += 1
+        body: dict[str, Any] = {
+            "model": judge.model,
+            "messages": judge_messages(_CHECK_TEXT.format(n=count), judge.format),
+            "max_tokens": REPLY_TOKENS,
+            "temperature": 0,
+            "stream": False,
+        }
+        started = trio.current_time()
+        with trio.move_on_after(budget * 2):
+            try:
+                parse_reply(await ask(judge.model, body, []), judge.format)
+            except (LlmgwError, ValueError):
+                return None
+            return trio.current_time() - started
+        return None
+
+    alone = [await one() for _ in range(3)]
+    burst: list[float | None] = [None] * 4
+
+    async def in_burst(at: int) -> None:
+        burst[at] = await one()
+
+    async with trio.open_nursery() as nursery:
+        for at in range(4):
+            nursery.start_soon(in_burst, at)
+    done = [s for s in burst if s is not None]
+    per_s = len(done) / max(done) if done else 0.0
+    slowest_alone = max((s for s in alone if s is not None), default=None)
+    if None in alone or slowest_alone is None or slowest_alone > budget:
+        verdict = "too slow"
+    elif slowest_alone > budget / 2 or not done or None in burst or max(done) > budget:
+        verdict = "tight"
+    else:
+        verdict = "ok"
+    advice: tuple[str, ...] = ()
+    if verdict != "ok":
+        advice = (
+            "give the judge more cores (a single judge up to 4, several 2 each)",
+            "serve the judge on a GPU",
+            f"raise latency_budget (now {budget:g} s)",
+            "or set fail: open (served and flagged when the judge is late)",
+        )
+    return JudgeCheck(
+        model=judge.model,
+        budget_s=budget,
+        alone_s=tuple(alone),
+        burst_s=tuple(burst),
+        judgments_per_s=round(per_s, 3),
+        requests_per_s=round(per_s / 2, 3),
+        verdict=verdict,
+        advice=advice,
+    )

@@ -32,17 +32,22 @@ __all__ = ["HOLD_BYTES", "OutputGuard"]
 HOLD_BYTES: Final = 96
 #: A word that may be part of a value of several words: card, phone and
 #: IBAN groups, a private key block's header.
-_CONTINUABLE: Final = re.compile(rb"[A-Z0-9+().\-]+")
+_CONTINUABLE: Final = re.compile(rb"[A-Z0-9+().\-]+\Z")
+#: With person names redacted or blocked: also a capitalised word (a name
+#: may go on with a surname: ``Maria`` before `` Lopez`` comes).
+_CONTINUABLE_NAMES: Final = re.compile(rb"[A-Z0-9+().\-][A-Za-z0-9+().'\-\x80-\xff]*\Z")
 _SPACE: Final = b" \t\r\n"
 _PLACEHOLDER: Final = re.compile(r"\[[A-Z][A-Z_]*_\d+\]")
 _OPEN_PLACEHOLDER: Final = re.compile(r"\[[A-Z_0-9]{0,40}\Z")
 
 
-def _word_release(held: bytes) -> int:
+def _word_release(held: bytes, continuable: re.Pattern[bytes] = _CONTINUABLE) -> int:
     """How much of ``held`` may be sent now when the rules are the built-in
     kinds: everything but an unfinished last word and the words before it
     that may continue a value of several words (digits, capitals,
-    separators), never holding more than :data:`HOLD_BYTES`."""
+    separators), never holding more than :data:`HOLD_BYTES`. A word glued
+    to punctuation (``{"to":"4111``, JSON arguments) holds back from where
+    its continuable tail starts."""
     floor = len(held) - HOLD_BYTES
     end = len(held)
     if end and held[-1] not in _SPACE:
@@ -54,10 +59,17 @@ def _word_release(held: bytes) -> int:
         i = j
         while i > 0 and held[i - 1] not in _SPACE:
             i -= 1
-        if i < j and _CONTINUABLE.fullmatch(held, i, j):
-            end = i
-        else:
+        tail = continuable.search(held, i, j) if i < j else None
+        if tail is None:
             break
+        start = tail.start()
+        if start > i:
+            # Only this word's tail may go on, unless it is glued to a
+            # letter or digit (``tok1``: no value starts there).
+            if not held[start - 1 : start].isalnum():
+                end = start
+            break
+        end = i
     return max(end, floor)
 
 
@@ -98,11 +110,21 @@ class OutputGuard:
             rule.kind.rule.startswith("deny:") for rule in rules.matcher.rules
         )
         self._choices: dict[int, _Choice] = {}
+        names = any(
+            rule.kind.rule == "pii:person" and rule.action != "flag" for rule in rules.matcher.rules
+        )
+        self._continuable = _CONTINUABLE_NAMES if names else _CONTINUABLE
 
     @property
     def active(self) -> bool:
         """Whether an answer's text can change or be stopped."""
         return self._checks or self._restore
+
+    @property
+    def changes_text(self) -> bool:
+        """Whether some rule may change or stop the text, or restore puts
+        values back (else: flags only, the text goes on as it came)."""
+        return self._restore or (self._checks and self._acts)
 
     def stopped(self, index: int) -> bool:
         """Whether choice ``index`` was stopped by a rule."""
@@ -169,7 +191,7 @@ class OutputGuard:
         if end:
             release = len(held)
         elif self._word_hold:
-            release = _word_release(held)
+            release = _word_release(held, self._continuable)
         else:
             release = len(held) - HOLD_BYTES
         while 0 < release < len(held) and (held[release] & 0xC0) == 0x80:

@@ -14,11 +14,12 @@ from collections.abc import Sequence
 from typing import Final
 
 import attrs
+import trio
 
 from llmgw.settings import GUARD_ACTIONS, GuardJudge, GuardPolicy, GuardRules, GuardSettings
 
 from .matcher import Matcher, Rule
-from .patterns import INJECTION, PII, SECRETS, Kind
+from .patterns import INJECTION, SECRETS, Kind, pii_kinds
 
 __all__ = ["Direction", "Guard", "Guards", "policy_names"]
 
@@ -98,7 +99,12 @@ def _combine(rules: Sequence[tuple[str, GuardRules]], *, input: bool) -> Directi
     chosen: list[Rule] = []
     if secrets != "off":
         chosen += [Rule(kind, secrets) for kind in SECRETS]
-    chosen += [Rule(PII[kind], action) for kind, action in pii.items() if action != "off"]
+    chosen += [
+        Rule(each, action)
+        for kind, action in pii.items()
+        if action != "off"
+        for each in pii_kinds(kind)
+    ]
     if injection != "off":
         chosen += [Rule(kind, injection) for kind in INJECTION]
     chosen += [Rule(kind, "block") for kind in deny]
@@ -160,6 +166,7 @@ class Guards:
     def __init__(self) -> None:
         self._settings: GuardSettings | None = None
         self._built: dict[tuple[str, ...], Guard] = {}
+        self._building: dict[tuple[str, ...], trio.Event] = {}
 
     def for_request(
         self,
@@ -183,3 +190,41 @@ class Guards:
             built = build_guard(names, [guard.policy(name) for name in names])
             self._built[names] = built
         return built if built.active else None
+
+    async def for_request_async(
+        self,
+        guard: GuardSettings,
+        key_id: str,
+        scope_ids: tuple[str, str, str],
+        scope_names: tuple[str, str, str] = ("", "", ""),
+    ) -> Guard | None:
+        """:meth:`for_request`, a guard not built yet compiled in a worker
+        thread (reading person names' lists and compiling hyperscan
+        databases take up to seconds: the event loop goes on serving other
+        requests meanwhile); requests needing the same one wait for it."""
+        while True:
+            if guard is not self._settings:
+                self._settings = guard
+                self._built = {}
+            names = policy_names(guard, key_id, scope_ids, scope_names)
+            if not names:
+                return None
+            if names in self._built:
+                return self.for_request(guard, key_id, scope_ids, scope_names)
+            pending = self._building.get(names)
+            if pending is not None:
+                await pending.wait()
+                continue
+            pending = self._building[names] = trio.Event()
+            try:
+                built = await trio.to_thread.run_sync(
+                    build_guard, names, [guard.policy(name) for name in names]
+                )
+            finally:
+                del self._building[names]
+                pending.set()
+            if guard is self._settings:
+                if len(self._built) > 10_000:
+                    self._built.clear()
+                self._built[names] = built
+            return built if built.active else None

@@ -253,3 +253,86 @@ def test_text_held_when_the_engine_ends_without_a_finish_reason_comes_before_don
     out += stream.finish()
     assert out.index(b"**** **** **** 1111") < out.index(b"[DONE]")
     assert b"4111" not in out
+
+
+def _calling(value: str, **more: Any) -> dict[str, Any]:
+    """A chat request the sim answers with a call ``send({"to": value})``,
+    the arguments streamed in pieces of 8 characters."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "send",
+            "parameters": {
+                "type": "object",
+                "properties": {"to": {"const": value}},
+                "required": ["to"],
+            },
+        },
+    }
+    return _chat("call it", tools=[tool], **more)
+
+
+def _stream_calls(body: bytes) -> tuple[str, list[str]]:
+    """The streamed tool calls' arguments joined, and the finish reasons."""
+    import orjson
+
+    arguments, finishes = [], []
+    for line in body.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        for choice in orjson.loads(line[6:]).get("choices") or []:
+            for call in choice.get("delta", {}).get("tool_calls") or []:
+                arguments.append(call.get("function", {}).get("arguments") or "")
+            if choice.get("finish_reason"):
+                finishes.append(choice["finish_reason"])
+    return "".join(arguments), finishes
+
+
+async def test_tool_call_arguments_are_guarded_in_prompts_and_in_answers(rig: Rig) -> None:
+    rig.cluster.apply_settings(ServerSettings())
+    # In a prompt: an earlier call's arguments carry a key.
+    asked = _chat("go on")
+    asked["messages"] = [
+        {"role": "user", "content": "store it"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "send", "arguments": f'{{"key": "{AWS}"}}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+    got = await rig.call("POST", CHAT, asked)
+    assert got.status == 400, got.body
+    assert "secret:aws_access_key" in got.json()["error"]["message"]
+
+    # In an answer, whole: the call is dropped, the choice ends in content_filter.
+    got = await rig.call("POST", CHAT, _calling(f"key {AWS}"))
+    assert got.status == 200, got.body
+    choice = got.json()["choices"][0]
+    assert choice["finish_reason"] == "content_filter"
+    assert "tool_calls" not in choice["message"]
+    assert AWS not in got.body.decode()
+    row = await rig.row(got.headers[b"x-request-id"])
+    events = await rig.store.list_guard_events(request_id=row.request_id)
+    assert [(e.direction, e.rule) for e in events] == [("output", "secret:aws_access_key")]
+
+    # Streamed, split over pieces: a card number masked, the JSON whole.
+    card = "4111 1111 1111 1111"
+    got = await rig.call("POST", CHAT, _calling(card, stream=True))
+    assert got.status == 200, got.body
+    arguments, finishes = _stream_calls(got.body)
+    assert arguments == '{"to":"**** **** **** 1111"}'
+    assert finishes == ["tool_calls"]
+
+    # Streamed with a key: stopped, never sent.
+    got = await rig.call("POST", CHAT, _calling(f"key {AWS}", stream=True))
+    arguments, finishes = _stream_calls(got.body)
+    assert AWS[:8] not in arguments
+    assert finishes == ["content_filter"]
+    assert got.body.rstrip().endswith(b"data: [DONE]")

@@ -108,3 +108,26 @@ def test_with_deny_patterns_the_whole_window_is_held() -> None:
     output = OutputGuard(guard.output, Verdict(), Redactor(), restore=False)
     assert output.feed(0, "about project ") == ("", False)
     assert output.feed(0, "zeus now") == ("about ", True)
+
+
+def test_a_person_name_split_over_pieces_is_redacted_whole_and_placeholders_stable() -> None:
+    guard = _guard(
+        {
+            "default": ["names"],
+            "policies": {
+                "names": {
+                    "input": {"pii": {"person": "redact"}},
+                    "output": {"pii": {"person": "redact"}},
+                }
+            },
+        }
+    )
+    verdict, redactor = Verdict(), Redactor()
+    doc = {"messages": [{"role": "user", "content": "Write to Maria Lopez about it"}]}
+    guard_chat_doc(doc, guard.input, verdict, redactor)
+    assert doc["messages"][0]["content"] == "Write to [PERSON_1] about it"
+    output = OutputGuard(guard.output, verdict, redactor, restore=False)
+    sent, stopped = _run(output, ["Dear Maria", " Lop", "ez, and Dr.", " Watson: hi"])
+    assert not stopped
+    assert sent == "Dear [PERSON_1], and [PERSON_2]: hi"
+    assert verdict.events == {("input", "pii:person"): "redact", ("output", "pii:person"): "redact"}

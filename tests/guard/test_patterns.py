@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from llmgw.guard.matcher import Matcher, Rule
@@ -111,6 +112,25 @@ CORPUS = [
     "Please summarise the previous chapter and ignore typos.",
     "A key insight: keep the system prompt short.",
     "git checkout -b feature/add-guard && git push origin HEAD",
+    # Prose with capitalised words that are not people.
+    "The New York Stock Exchange opened at 9:30 on Monday.",
+    "We moved from Amazon Web Services to Google Cloud Run in March.",
+    "Release notes for Visual Studio Code and the Python Language Server.",
+    "Ruby Gems and Julia Packages are both mirrored; Jenkins Pipeline runs nightly.",
+    "Take the Victoria Line to King Street Station, then walk to Hyde Park.",
+    "May Day falls on a Friday; June Bank Holiday is later.",
+    "Error: Module Not Found in Build Step 3 (Exit Code 137)",
+    "Kubernetes Deployment Controller scaled the ReplicaSet to 3 pods.",
+]
+
+#: Sentences that name people, and how many people each names.
+PEOPLE = [
+    ("Please forward this to Maria Lopez before Friday.", 1),
+    ("Dr. Watson and Mrs Jane Doe met John F. Kennedy.", 3),
+    ("Jean-Luc Picard wrote to Peter Müller.", 2),
+    ("Call Anna Schmidt, or Thomas Edison if she is out.", 2),
+    ("The report by Priya Sharma was reviewed by Ahmed Hassan.", 2),
+    ("Mr. Tanaka signed it.", 1),
 ]
 
 
@@ -123,3 +143,31 @@ def test_the_false_positive_corpus_is_not_flagged_by_baseline() -> None:
     assert guard is not None
     flagged = [text for text in CORPUS if guard.input.matcher.scan(text.encode())]
     assert flagged == [], f"{len(flagged)}/{len(CORPUS)} flagged"
+
+
+def _kinds_found(policy: str, texts: list[str]) -> list[tuple[str, list[str]]]:
+    from llmgw.guard import Guards
+
+    settings = ServerSettings().guard
+    guard = Guards().for_request(attrs.evolve(settings, default=(policy,)), "k", ("", "", ""))
+    assert guard is not None
+    found = []
+    for text in texts:
+        hits = guard.input.matcher.scan(text.encode())
+        if hits:
+            found.append((text, [hit.rule.kind.rule for hit in hits]))
+    return found
+
+
+def test_the_corpus_under_observe_every_kind_on_flags_one_line() -> None:
+    """Every kind on (person names too): only ``1.2.3.4``, a version number
+    read as an IPv4 address, is caught: 1 of len(CORPUS) lines."""
+    assert _kinds_found("observe", CORPUS) == [
+        ("version 1.2.3.4 of the library; build 20261201.1", ["pii:ip"])
+    ]
+
+
+def test_person_names_are_caught_and_proper_nouns_that_are_not_people_left_alone() -> None:
+    found = dict(_kinds_found("observe", [text for text, _ in PEOPLE]))
+    for text, count in PEOPLE:
+        assert found.get(text, []).count("pii:person") == count, text

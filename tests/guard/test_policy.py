@@ -143,3 +143,24 @@ def test_prompts_of_completions_and_embeddings_are_guarded() -> None:
     guard_chat_doc(doc, guard.input, Verdict(), redactor)
     assert doc["prompt"] == ["x [EMAIL_1]", 3]
     assert doc["input"] == "[EMAIL_1]"
+
+
+async def test_a_guard_is_built_once_off_the_event_loop_for_concurrent_requests() -> None:
+    import trio
+
+    from llmgw.guard import Guards
+    from llmgw.settings import settings_from_doc
+
+    settings = settings_from_doc({"guard": {"default": ["observe"]}}).guard
+    guards = Guards()
+    got: list[object] = []
+
+    async def one() -> None:
+        got.append(await guards.for_request_async(settings, "k", ("", "", "")))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(one)
+    assert got[0] is not None
+    assert got[0] is got[1] is got[2]
+    assert guards.for_request(settings, "k", ("", "", "")) is got[0]

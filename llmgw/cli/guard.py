@@ -1,0 +1,68 @@
+"""``llmgw ctl guard judge check``: how fast the judge answers against its
+budget, through the admin API (:mod:`llmgw.admin.guard`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmgw.admin.client import AdminClient
+
+from .options import data_dir_option, json_option, print_json
+
+__all__ = ["CHECK_TIMEOUT_S", "ctl_guard"]
+
+#: The longest ``ctl guard judge check`` waits for its answer, seconds.
+CHECK_TIMEOUT_S = 900.0
+
+
+@click.group("guard")
+def ctl_guard() -> None:
+    """The guardrails (docs/guardrails.md)."""
+
+
+@ctl_guard.group("judge")
+def judge() -> None:
+    """The judge: a model asked whether a text is safe."""
+
+
+def _seconds(value: float | None) -> str:
+    return "no verdict" if value is None else f"{value:.1f} s"
+
+
+@judge.command("check")
+@data_dir_option()
+@click.option("--model", default=None, help="The judge model (default: the policies' judge).")
+@click.option("--policy", default=None, help="The judge of this policy.")
+@json_option()
+def judge_check(data_dir: Path, model: str | None, policy: str | None, as_json: bool) -> None:
+    """Time 3 judgments in sequence and a burst of 4; say whether the budget holds.
+
+    It changes nothing: it suggests more cores, a GPU judge, a longer
+    latency_budget or fail: open when the judge is tight or too slow.
+    """
+    body: dict[str, Any] = {}
+    if model:
+        body["model"] = model
+    if policy:
+        body["policy"] = policy
+    # Seven judgments, each up to twice the budget: more than the admin
+    # client's usual wait.
+    doc = AdminClient.from_data_dir(data_dir).call(
+        "POST", "/api/v1/guard/judge/check", json=body, timeout=CHECK_TIMEOUT_S
+    )
+    if as_json:
+        print_json(doc)
+        return
+    alone = "/".join(_seconds(s) for s in doc["alone_s"])
+    slowest = [s for s in doc["burst_s"] if s is not None]
+    burst = f"{max(slowest):.1f} s" if slowest else "no verdict"
+    click.echo(
+        f"judge {doc['model']}: alone {alone}, slowest of 4 concurrent {burst}, "
+        f"≈ {doc['judgments_per_s']:.2g} judgments/s ≈ {doc['requests_per_s']:.2g} requests/s, "
+        f"budget {doc['budget_s']:g} s: {doc['verdict']}"
+    )
+    for advice in doc["advice"]:
+        click.echo(f"  - {advice}")

@@ -1,0 +1,82 @@
+"""``llmgw ctl guard judge check`` against sim engines scripted as judges
+(``docs/guardrails.md``, The judge)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import trio
+
+from llmgw.engines.sim.app import SimEngine
+from llmgw.engines.sim.config import SimConfig
+from llmgw.gateway.server import serve_http1
+from llmgw.router.endpoint import Endpoint
+from llmgw.settings import settings_from_doc
+from llmgw.store import ModelRecord
+
+_ctl = importlib.import_module("test_cli_ctl")
+running = _ctl.running
+Running = Any
+
+SAFE = (("", "Safety: Safe\nCategories: None"),)
+
+
+async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
+    running: Running,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        stop = trio.Event()
+        endpoints = {}
+        for model, ttft_ms in (("judge", 0.0), ("judge-slow", 700.0)):
+            engine = SimEngine(
+                SimConfig(
+                    model=model, tokens_per_second=0, tick_ms=0, ttft_ms=ttft_ms, replies=SAFE
+                )
+            )
+            address = await nursery.start(serve_http1, engine, "127.0.0.1:0", stop, 1.0)
+            endpoints[model] = [
+                Endpoint(
+                    replica_id=f"{model}-0",
+                    model=model,
+                    host="127.0.0.1",
+                    port=int(address.rsplit(":", 1)[1]),
+                    api_key="",
+                )
+            ]
+        running.cluster.replace_catalog(
+            {m: ModelRecord.simple(m, "sim", slots=0, created_at=1.0) for m in endpoints}
+        )
+        running.cluster.set_fixed_endpoints(endpoints)
+
+        doc = await running.json("ctl", "guard", "judge", "check", "--model", "judge")
+        assert doc["model"] == "judge"
+        assert doc["verdict"] == "ok"
+        assert len(doc["alone_s"]) == 3
+        assert len(doc["burst_s"]) == 4
+        assert all(s is not None for s in doc["alone_s"] + doc["burst_s"])
+        assert doc["judgments_per_s"] > 0
+        assert doc["advice"] == []
+
+        # A policy's judge with a 1 s budget: 0.7 s a judgment is over half of it.
+        running.cluster.apply_settings(
+            settings_from_doc(
+                {
+                    "guard": {
+                        "default": ["baseline", "judged"],
+                        "policies": {
+                            "judged": {"judge": {"model": "judge-slow", "latency_budget": 1}}
+                        },
+                    }
+                }
+            )
+        )
+        text = await running.ok("ctl", "guard", "judge", "check")
+        assert "judge judge-slow: alone" in text
+        assert "budget 1 s: tight" in text or "budget 1 s: too slow" in text
+        assert "latency_budget" in text
+
+        result = await running.run("ctl", "guard", "judge", "check", "--model", "nope")
+        assert result.exit_code != 0
+        assert "No model 'nope'" in result.output
+        stop.set()
