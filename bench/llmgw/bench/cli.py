@@ -5,7 +5,9 @@
 - ``overhead``: the latency and CPU the gateway adds over the sim engine, at
   rising rates (:mod:`llmgw.bench.overhead`);
 - ``gateway``: the gateway alone in front of one engine, the process
-  ``overhead`` starts (:mod:`llmgw.bench.gateway`).
+  ``overhead`` starts (:mod:`llmgw.bench.gateway`);
+- ``engine``: the sim engine on the gateway's lean HTTP server, cheap enough
+  not to be a benchmark's limit (:mod:`llmgw.bench.engine`).
 
 The ``llmgw`` command mounts :data:`bench` as its ``bench`` group. The
 gateway module, which pulls in the whole gateway, is imported only when a
@@ -264,3 +266,21 @@ async def until_interrupted(run: Callable[[], Awaitable[object]]) -> bool:
 
 def _print_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=True))
+
+
+@bench.command(
+    "engine",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("sim_args", nargs=-1, type=click.UNPROCESSED)
+def engine_command(sim_args: tuple[str, ...]) -> None:
+    """The sim engine on the gateway's own HTTP server (the sim's flags;
+    `--help` lists them): cheaper per request than `python -m
+    llmgw.engines.sim`, so a benchmark shows the gateway's limit."""
+    from .engine import run_bench_engine
+
+    try:
+        trio.run(run_bench_engine, sim_args)
+    except KeyboardInterrupt:
+        pass
