@@ -21,7 +21,7 @@ from typing import Any, Final, Generic, Literal, TypeVar
 
 import orjson
 
-from .sse import Usage, usage_from
+from .sse import Usage, normalize_line_ends, usage_from
 
 __all__ = [
     "DONE",
@@ -47,46 +47,43 @@ _Call = TypeVar("_Call")
 class ChatChunkReader:
     """Splits an OpenAI SSE byte stream into its parsed ``data:`` documents.
 
-    Bytes may arrive cut anywhere; ``\\r\\n`` line ends are accepted.
+    Bytes may arrive cut anywhere; ``\\r\\n`` and lone ``\\r`` line ends are
+    accepted (``docs/api.md``).
     Comments, ``event:`` lines and data that is not JSON are skipped.
     """
 
     def __init__(self) -> None:
         self._buffer = b""
+        self._after_cr = False
 
     def feed(self, data: bytes) -> list[Any]:
         """The documents completed by ``data``: parsed JSON values, and
         :data:`DONE` (the string ``"[DONE]"``) for ``data: [DONE]``."""
+        if self._after_cr or b"\r" in data:
+            data, self._after_cr = normalize_line_ends(data, self._after_cr)
         buffer = self._buffer + data if self._buffer else data
-        if b"\r" in buffer:
-            # A lone trailing \r may be half of a \r\n still to come.
-            tail = buffer.endswith(b"\r")
-            buffer = buffer.replace(b"\r\n", b"\n")
-            if tail:
-                buffer, end = buffer[:-1], b"\r"
-            else:
-                end = b""
-        else:
-            end = b""
         cut = buffer.rfind(b"\n\n")
         if cut < 0:
-            self._buffer = buffer + end
+            self._buffer = buffer
             return []
-        complete, self._buffer = buffer[:cut], buffer[cut + 2 :] + end
+        complete, self._buffer = buffer[:cut], buffer[cut + 2 :]
         return [doc for event in complete.split(b"\n\n") if (doc := _parse(event)) is not None]
 
     def close(self) -> list[Any]:
         """The documents in a last event the stream did not end with a blank line."""
         rest, self._buffer = self._buffer, b""
-        doc = _parse(rest.replace(b"\r\n", b"\n").rstrip(b"\r\n"))
+        doc = _parse(rest.rstrip(b"\n"))
         return [] if doc is None else [doc]
 
 
 def _parse(event: bytes) -> Any:
-    data = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
-    if not data:
-        return None
-    payload = b"\n".join(data)
+    if event.startswith(b"data:") and b"\n" not in event:
+        payload = event[5:].strip()  # the common case: one data line
+    else:
+        data = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
+        if not data:
+            return None
+        payload = b"\n".join(data)
     if payload == b"[DONE]":
         return DONE
     try:

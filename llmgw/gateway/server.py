@@ -22,9 +22,11 @@ Limits and framing (the constants below; ``docs/api.md``, HTTP limits): a
 request whose framing cannot be trusted (``Content-Length`` with
 ``Transfer-Encoding``, conflicting lengths, a bad chunk) is refused and the
 connection closed, so nothing hidden in a body is read as a request; heads
-are bounded in bytes, fields and time; a body left unread is drained only
-when small, else the connection closes after a lingering close; a client
-that does not read its answer is cut off after :data:`SEND_TIMEOUT_S`.
+are bounded in bytes, fields and time, bodies in time and rate
+(:data:`BODY_READ_TIMEOUT_S`, :data:`MIN_BODY_RATE_BYTES_PER_S`: 408); a
+body left unread is drained only when small, else the connection closes
+after a lingering close; a client that does not read its answer is cut
+off after :data:`SEND_TIMEOUT_S`.
 
 Stop: when ``stop`` is set the listeners close at once, idle keep-alive
 connections are closed, and requests in flight get ``grace_s`` to finish;
@@ -34,6 +36,7 @@ then whatever is left is cancelled.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -52,6 +55,9 @@ log = logging.getLogger("llmgw.http")
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 READ_SIZE: Final = 65536
+#: Writes the socket took at once before the connection yields to the
+#: scheduler anyway (so a fast answer cannot starve the other tasks).
+WRITES_BEFORE_YIELD: Final = 16
 #: Largest request head (request line and header fields), in bytes; a
 #: larger one is refused 431 and the connection closed.
 MAX_HEAD_BYTES: Final = 64 * 1024
@@ -60,8 +66,15 @@ MAX_HEADERS: Final = 128
 #: A new connection must send its whole request head within this, in seconds;
 #: so must a kept-alive one, counted from the first byte of its next request.
 FIRST_REQUEST_TIMEOUT_S: Final = 30.0
-#: A request body that stops arriving for this long is given up, in seconds.
+#: A request body that stops arriving for this long is refused 408, in seconds.
 BODY_READ_TIMEOUT_S: Final = 30.0
+#: A request body must keep up this average rate, in bytes per second, after
+#: :data:`BODY_GRACE_S`: the whole body is due :data:`BODY_GRACE_S` plus its
+#: bytes so far over this rate after the app first reads it, else 408 and
+#: the connection closes (a client trickling a body holds no connection).
+MIN_BODY_RATE_BYTES_PER_S: Final = 16 * 1024
+#: The time any body gets before :data:`MIN_BODY_RATE_BYTES_PER_S` counts, in seconds.
+BODY_GRACE_S: Final = 10.0
 #: An idle keep-alive connection is closed after this, in seconds.
 KEEP_ALIVE_TIMEOUT_S: Final = 75.0
 #: A client that takes none of a 64 KiB piece of its answer for this long
@@ -150,6 +163,13 @@ class _Connection:
         self.gone = False
         #: A request body left unread when the connection closes: linger first.
         self.unread_body = False
+        #: The socket's descriptor, written to directly (``-1``: through
+        #: the stream only, as for the fuzz target's in-memory stream).
+        self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+        #: Writes done at once since the last trip through the scheduler.
+        self.writes = 0
+        #: The answer being sent is chunked (its body framed here, not by h11).
+        self.chunked = False
 
     async def _read_event(self) -> Any:
         while True:
@@ -166,8 +186,36 @@ class _Connection:
             await trio.lowlevel.checkpoint()
             return
         data = self.h11.send(event)
-        if not data:
+        if data:
+            await self._write(data)
+
+    async def _write(self, data: bytes) -> None:
+        """Send ``data``: straight to the socket when it takes it all at once
+        (no trip through the scheduler, which a streamed answer would make
+        per event; yet at least every :data:`WRITES_BEFORE_YIELD` writes),
+        else through the stream with :data:`SEND_TIMEOUT_S` per piece."""
+        if self.gone:
+            await trio.lowlevel.checkpoint()
             return
+        fd = self.fd
+        if fd >= 0:
+            self.writes += 1
+            if self.writes >= WRITES_BEFORE_YIELD:
+                self.writes = 0
+                await trio.lowlevel.checkpoint()
+            else:
+                await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                sent = os.write(fd, data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self.gone = True
+                return
+            if sent == len(data):
+                return
+            self.writes = 0
+            data = data[sent:]
         view = memoryview(data)
         try:
             for at in range(0, len(view), READ_SIZE):
@@ -299,18 +347,24 @@ class _Connection:
         }
         head = request.method == b"HEAD"
         body_done = False
+        body_started: float | None = None
+        body_bytes = 0
         response_started = False
         response_done = False
 
         async def receive() -> Message:
-            nonlocal body_done
+            nonlocal body_done, body_started, body_bytes
             if not body_done:
                 if self.gone:
                     return {"type": "http.disconnect"}
                 if self.h11.they_are_waiting_for_100_continue and not response_started:
                     await self._send(h11.InformationalResponse(status_code=100, headers=[]))
                 event = None
-                with trio.move_on_after(BODY_READ_TIMEOUT_S):
+                now = trio.current_time()
+                if body_started is None:
+                    body_started = now
+                due = body_started + BODY_GRACE_S + body_bytes / MIN_BODY_RATE_BYTES_PER_S
+                with trio.move_on_at(min(now + BODY_READ_TIMEOUT_S, due)) as waited:
                     try:
                         event = await self._read_event()
                     except h11.RemoteProtocolError as exc:
@@ -322,9 +376,12 @@ class _Connection:
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         event = None
                 if event is None:  # broken, malformed, or too slow
+                    if waited.cancelled_caught and not response_started and not self.gone:
+                        await self._refuse(408, "the request body came too slowly")
                     self.gone = True
                     return {"type": "http.disconnect"}
                 if type(event) is h11.Data:
+                    body_bytes += len(event.data)
                     return {"type": "http.request", "body": bytes(event.data), "more_body": True}
                 if type(event) is h11.EndOfMessage:
                     body_done = True
@@ -353,17 +410,36 @@ class _Connection:
             kind = message["type"]
             if kind == "http.response.start":
                 response_started = True
-                await self._send(
+                if self.gone:
+                    await trio.lowlevel.checkpoint()
+                    return
+                data = self.h11.send(
                     h11.Response(status_code=message["status"], headers=message.get("headers", []))
                 )
+                # h11 chose the framing; a chunked body is framed here.
+                self.chunked = b"\r\ntransfer-encoding: chunked\r\n" in data.lower()
+                await self._write(data)
             elif kind == "http.response.body":
                 body = message.get("body", b"")
+                more = message.get("more_body", False)
                 # HEAD: the app answers as for GET (its status, headers and
                 # Content-Length); the body is dropped here, as HTTP asks.
-                if body and not head:
-                    await self._send(h11.Data(data=body))
-                if not message.get("more_body", False):
+                if head:
+                    body = b""
+                if not more:
                     response_done = True
+                if self.chunked and not self.gone:
+                    # Framed here (h11's chunked framing keeps no state); the
+                    # last piece and the end go out in one write.
+                    data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
+                    if not more:
+                        data += self.h11.send(h11.EndOfMessage()) or b""
+                    if data:
+                        await self._write(data)
+                    return
+                if body:
+                    await self._send(h11.Data(data=body))
+                if not more:
                     await self._send(h11.EndOfMessage())
 
         try:

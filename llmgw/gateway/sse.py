@@ -9,6 +9,11 @@ into one write), and read the usage and timing it saw. It
 - drops the usage-only chunk when the client did not ask for usage (the
   gateway always asks the engine for it);
 - counts content chunks, the fallback when an engine sends no usage.
+
+Events end at a blank line, whichever line end the engine uses: ``\n``,
+``\r\n`` or a lone ``\r`` (the SSE format allows all three; so
+``\n\n``, ``\r\n\r\n`` and ``\r\r`` each end an event). An engine's
+``\r\n`` or ``\r`` line ends reach the client as ``\n``.
 """
 
 from __future__ import annotations
@@ -17,9 +22,31 @@ from typing import Any
 
 import orjson
 
-__all__ = ["SseRelay", "Usage", "usage_from"]
+__all__ = ["SseRelay", "Usage", "normalize_line_ends", "usage_from"]
 
 _EVENT_END = b"\n\n"
+
+
+def normalize_line_ends(data: bytes, after_cr: bool) -> tuple[bytes, bool]:
+    """``data`` with its ``\r\n`` and lone ``\r`` line ends made ``\n``.
+
+    Args:
+        data: the next bytes of a stream.
+        after_cr: the bytes before ``data`` ended with ``\r`` (so a ``\n``
+            that ``data`` starts with is the second half of a ``\r\n``,
+            already counted).
+
+    Returns:
+        The normalized bytes, and whether ``data`` ended with ``\r`` (the
+        ``after_cr`` of the next call).
+    """
+    if not data:
+        return data, after_cr
+    if after_cr and data[0] == 0x0A:
+        data = data[1:]
+    if b"\r" not in data:
+        return data, False
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n"), data.endswith(b"\r")
 
 
 class Usage:
@@ -65,23 +92,30 @@ class SseRelay:
     def __init__(self, *, pass_usage: bool) -> None:
         self._pass_usage = pass_usage
         self._buffer = b""
+        self._after_cr = False
         self.usage: Usage | None = None
         self.content_chunks = 0
         self.done = False
 
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return what the client should get now (may be empty)."""
+        if self._after_cr or b"\r" in data:
+            data, self._after_cr = normalize_line_ends(data, self._after_cr)
         buffer = self._buffer + data if self._buffer else data
         end = buffer.rfind(_EVENT_END)
         if end < 0:
             self._buffer = buffer
             return b""
         complete, self._buffer = buffer[: end + 2], buffer[end + 2 :]
-        if b'"usage"' not in complete:
-            # The common case: content chunks only. Count them without parsing.
-            self.content_chunks += complete.count(b"data: {")
-            if b"data: [DONE]" in complete:
-                self.done = True
+        if b'"usage"' not in complete and b'"error"' not in complete:
+            # The common case: content chunks only. Count them without parsing
+            # (a raw line end is only ever a line's end: JSON escapes its own).
+            chunks = complete.count(b"\ndata:") + complete.startswith(b"data:")
+            if b"[DONE]" in complete:
+                done = complete.count(b"data: [DONE]") + complete.count(b"data:[DONE]")
+                chunks -= done
+                self.done = self.done or done > 0
+            self.content_chunks += chunks
             return complete
         out: list[bytes] = []
         for event in complete.split(_EVENT_END):
@@ -131,7 +165,7 @@ class SseRelay:
         if data == b"[DONE]":
             self.done = True
             return event
-        if b'"usage"' not in data:
+        if b'"usage"' not in data and b'"error"' not in data:
             self.content_chunks += 1
             return event
         try:
@@ -140,7 +174,8 @@ class SseRelay:
             return event
         usage = usage_from(doc)
         choices = doc.get("choices") if isinstance(doc, dict) else None
-        if choices:
+        if choices or (usage is None and not (isinstance(doc, dict) and "error" in doc)):
+            # Content (an engine's error event is none: it is passed on as is).
             self.content_chunks += 1
         if usage is None or self._pass_usage:
             if usage is not None:

@@ -6,7 +6,13 @@ scans every pooled connection on each request (``docs/performance.md``). Here ea
 most recently used one (or dials a new one) and gives it back when the
 answer has been read to its end. Nothing is ever scanned.
 
-The wire is spoken by h11. A request that fails on a *reused* connection
+The wire is spoken here, not by h11 (which cost about a sixth of the
+gateway's CPU: ``docs/performance.md``): a request is written as one
+piece, an answer's head parsed by :func:`parse_head` (RFC 9112: a status
+line, fields, ``Content-Length`` checked, no folding), its body read by
+:class:`BodyReader` in a few byte searches per read. On a plain
+connection bytes are read and written straight on the socket, waiting
+(through trio) only when it is not ready. A request that fails on a *reused* connection
 before any byte of the answer arrived is tried once more on a fresh one (the
 engine closed an idle connection under us); after that, errors propagate as
 :class:`UpstreamError`.
@@ -23,17 +29,26 @@ dialing; a reused connection costs nothing more than a plain one.
 from __future__ import annotations
 
 import functools
+import os
+import re
 import ssl
 from collections import deque
 from collections.abc import Sequence
 from typing import Final, Protocol, cast
 
-import h11
 import trio
 
 from llmgw import errors
 
-__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse", "default_ssl_context"]
+__all__ = [
+    "BodyReader",
+    "FramingError",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamResponse",
+    "default_ssl_context",
+    "parse_head",
+]
 
 #: Idle connections kept per endpoint; more are closed when given back.
 MAX_IDLE_PER_ENDPOINT: Final = 512
@@ -41,6 +56,11 @@ MAX_IDLE_PER_ENDPOINT: Final = 512
 READ_SIZE: Final = 65536
 #: Largest response head accepted, in bytes.
 MAX_HEAD_BYTES: Final = 64 * 1024
+#: Longest chunk-size line or trailer field of a chunked body, in bytes.
+MAX_CHUNK_LINE_BYTES: Final = 4096
+#: Reads that found data at once before the reader yields to the scheduler
+#: anyway (so a fast engine cannot starve the other tasks).
+READS_BEFORE_YIELD: Final = 16
 
 
 class UpstreamError(errors.UpstreamError):
@@ -67,7 +87,7 @@ def default_ssl_context() -> ssl.SSLContext:
 
 class _Stream(Protocol):
     """What a connection uses of its stream. ``receive_some`` of a TLS stream
-    gives a ``bytearray``, which h11 takes as the bytes-like it documents."""
+    gives a ``bytearray`` (made ``bytes`` on reading)."""
 
     async def send_all(self, data: bytes) -> None: ...
     async def receive_some(self, max_bytes: int | None = None) -> bytes: ...
@@ -75,23 +95,236 @@ class _Stream(Protocol):
 
 
 class _Connection:
-    __slots__ = ("h11", "stream")
+    __slots__ = ("fd", "stream")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = cast(_Stream, stream)
-        self.h11 = h11.Connection(our_role=h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        #: A plain socket's descriptor, read and written directly; ``-1``: TLS.
+        self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
+
+    async def read(self) -> bytes:
+        """The next bytes (``b""`` at the peer's close): at once when the
+        socket has some, else after waiting for them (a checkpoint).
+
+        Raises:
+            trio.BrokenResourceError, OSError: the connection broke.
+        """
+        fd = self.fd
+        if fd < 0:
+            return bytes(await self.stream.receive_some(READ_SIZE))
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            try:
+                return os.read(fd, READ_SIZE)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(fd)
+
+    async def write(self, data: bytes) -> None:
+        """All of ``data``, straight to the socket when it takes it at once.
+
+        Raises:
+            trio.BrokenResourceError, OSError: the connection broke.
+        """
+        fd = self.fd
+        if fd >= 0:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                sent = os.write(fd, data)
+            except BlockingIOError:
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
+        await self.stream.send_all(data)
+
+
+class Head:
+    """An answer's head: ``status``, ``http_version`` (``b"1.1"``), and
+    ``headers`` as (lower-case name, value) pairs in order."""
+
+    __slots__ = ("headers", "http_version", "status")
+
+    def __init__(
+        self, status: int, http_version: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        self.status = status
+        self.http_version = http_version
+        self.headers = headers
+
+
+_STATUS_LINE = re.compile(rb"HTTP/(1\.[01]) ([0-9]{3})(?: [^\x00\r\n]*)?")
+_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(rb"[^\x00\r\n]*")
+
+
+def parse_head(block: bytes) -> Head:
+    """The head in ``block`` (the bytes before the blank line; ``\r\n`` or
+    bare ``\n`` line ends).
+
+    Raises:
+        FramingError: a malformed status line or field, a folded line,
+            a bad or ambiguous ``Content-Length``.
+    """
+    lines = block.split(b"\n")
+    status_line = lines[0].rstrip(b"\r")
+    match = _STATUS_LINE.fullmatch(status_line)
+    if match is None:
+        raise FramingError(f"bad status line {status_line[:60]!r}")
+    headers: list[tuple[bytes, bytes]] = []
+    length: bytes | None = None
+    for raw in lines[1:]:
+        line = raw[:-1] if raw.endswith(b"\r") else raw
+        name, colon, value = line.partition(b":")
+        if not colon or _TOKEN.fullmatch(name) is None:
+            raise FramingError(f"bad header line {line[:60]!r}")
+        value = value.strip(b" \t")
+        if _FIELD_VALUE.fullmatch(value) is None:
+            raise FramingError(f"bad header value for {name[:40]!r}")
+        name = name.lower()
+        if name == b"content-length":
+            if not value.isdigit() or len(value) > 18 or (length is not None and value != length):
+                raise FramingError(f"bad Content-Length {value[:40]!r}")
+            if length is not None:
+                continue  # equal repeats are one
+            length = value
+        headers.append((name, value))
+    return Head(int(match.group(2)), match.group(1), headers)
+
+
+class FramingError(ValueError):
+    """An answer's body is not framed as its head said (a bad chunk)."""
+
+
+class BodyReader:
+    """Sans-IO: an HTTP/1.1 answer's body out of the bytes after its head.
+
+    Args:
+        chunked: ``Transfer-Encoding: chunked`` (else ``length`` or until close).
+        length: ``Content-Length`` in bytes, or ``None``: the body ends when
+            the connection closes (an HTTP/1.0-style answer).
+
+    :meth:`feed` takes bytes as they come and returns the body bytes they
+    hold; :attr:`done` once the body ended; :attr:`rest` what came after it.
+
+    Raises:
+        FramingError: from :meth:`feed`, for a malformed chunk.
+    """
+
+    __slots__ = ("_buffer", "_chunked", "_left", "_state", "done", "rest")
+
+    #: Chunked states: the size line, its data, the CRLF after it, trailers.
+    _SIZE, _DATA, _CRLF, _TRAILER = range(4)
+
+    def __init__(self, *, chunked: bool, length: int | None) -> None:
+        self._chunked = chunked
+        self._left = 0 if chunked else (-1 if length is None else length)
+        self._state = self._SIZE
+        self._buffer = b""
+        self.done = not chunked and length == 0
+        self.rest = b""
+
+    @property
+    def until_close(self) -> bool:
+        """The body ends when the connection closes (no length, not chunked)."""
+        return not self._chunked and self._left < 0
+
+    def feed(self, data: bytes) -> bytes:
+        if self.done:
+            self.rest += data
+            return b""
+        if not self._chunked:
+            if self._left < 0:
+                return data
+            if len(data) < self._left:
+                self._left -= len(data)
+                return data
+            body, self.rest = data[: self._left], data[self._left :]
+            self._left = 0
+            self.done = True
+            return body
+        buffer = self._buffer + data if self._buffer else data
+        out: list[bytes] = []
+        at = 0
+        size = len(buffer)
+        while at < size:
+            state = self._state
+            if state == self._DATA:
+                end = at + self._left
+                if end > size:
+                    out.append(buffer[at:])
+                    self._left = end - size
+                    at = size
+                    break
+                out.append(buffer[at:end])
+                at = end
+                self._state = self._CRLF
+            elif state == self._CRLF:
+                if size - at < 2:
+                    break
+                if buffer[at : at + 2] != b"\r\n":
+                    raise FramingError("a chunk's data is not followed by CRLF")
+                at += 2
+                self._state = self._SIZE
+            else:
+                eol = buffer.find(b"\r\n", at, at + MAX_CHUNK_LINE_BYTES)
+                if eol < 0:
+                    if size - at >= MAX_CHUNK_LINE_BYTES:
+                        raise FramingError("a chunk line is too long")
+                    break
+                line = buffer[at:eol]
+                at = eol + 2
+                if state == self._TRAILER:
+                    if not line:
+                        self.done = True
+                        self.rest = buffer[at:]
+                        at = size
+                        break
+                    continue
+                text = line.split(b";", 1)[0].strip(b" \t")
+                if not text or len(text) > 16 or text.strip(b"0123456789abcdefABCDEF"):
+                    raise FramingError(f"bad chunk size {line[:40]!r}")
+                self._left = int(text, 16)
+                self._state = self._DATA if self._left else self._TRAILER
+        self._buffer = buffer[at:] if at < size else b""
+        if len(out) == 1:
+            return out[0]
+        return b"".join(out)
 
 
 class UpstreamResponse:
     """An answer being read: :meth:`receive` its body as it arrives; always
     :meth:`aclose` it (``async with``)."""
 
-    def __init__(self, pool: UpstreamPool, connection: _Connection, response: h11.Response) -> None:
+    def __init__(
+        self, pool: UpstreamPool, connection: _Connection, head: Head, pending: bytes
+    ) -> None:
         self._pool = pool
         self._connection: _Connection | None = connection
-        self.status = response.status_code
-        self.headers: list[tuple[bytes, bytes]] = list(response.headers)
+        self.status = head.status
+        self.headers = head.headers
         self._complete = False
+        chunked = False
+        length: int | None = None
+        keep_alive = head.http_version == b"1.1"
+        for key, value in self.headers:
+            if key == b"transfer-encoding":
+                codings = [c.strip(b" \t") for c in value.lower().split(b",")]
+                if codings[-1:] != [b"chunked"] and codings != [b""]:
+                    keep_alive = False  # some other coding: read to the close
+                chunked = codings[-1:] == [b"chunked"]
+            elif key == b"content-length":
+                length = int(value)  # parse_head checked it
+            elif key == b"connection" and b"close" in value.lower():
+                keep_alive = False
+        if chunked:
+            length = None  # Transfer-Encoding wins (RFC 9112 section 6.3)
+        if self.status in (204, 304):
+            chunked, length = False, 0
+        self._keep_alive = keep_alive and (chunked or length is not None)
+        self._body = BodyReader(chunked=chunked, length=length)
+        # What was read past the head: the body's first bytes.
+        self._pending = pending
+        self._reads = 0
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower case), or ``None``."""
@@ -105,40 +338,56 @@ class UpstreamResponse:
 
         A method, not an async generator, so abandoning an answer half read
         (a client gone) leaves nothing for the garbage collector to finish.
+        A checkpoint when it waits for the engine (and at least every
+        :data:`READS_BEFORE_YIELD` calls).
 
         Raises:
-            UpstreamError: the connection broke mid-answer.
+            UpstreamError: the connection broke mid-answer, or the body's
+                framing is broken.
         """
         connection = self._connection
+        body = self._body
         if connection is None or self._complete:
             return b""
-        conn = connection.h11
         while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise UpstreamError(
-                    f"bad answer from engine: {errors.describe(exc)}", before_response=False
-                ) from exc
-            if event is h11.NEED_DATA:
-                try:
-                    data = await connection.stream.receive_some(READ_SIZE)
-                except (trio.BrokenResourceError, OSError) as exc:
-                    raise UpstreamError(
-                        f"engine connection broke: {errors.describe(exc)}", before_response=False
-                    ) from exc
-                conn.receive_data(data)
-                continue
-            if type(event) is h11.Data:
-                if event.data:
-                    return bytes(event.data)
-            elif type(event) is h11.EndOfMessage:
+            if body.done:
                 self._complete = True
                 return b""
-            elif type(event) is h11.ConnectionClosed:
+            if self._pending:
+                data, self._pending = self._pending, b""
+            else:
+                data = await self._read(connection)
+                if not data:
+                    if body.until_close:
+                        self._complete = True  # the body ran to the close
+                        return b""
+                    raise UpstreamError(
+                        "engine closed the connection mid-answer", before_response=False
+                    )
+            try:
+                out = body.feed(data)
+            except FramingError as exc:
                 raise UpstreamError(
-                    "engine closed the connection mid-answer", before_response=False
-                )
+                    f"bad answer from engine: {exc}", before_response=False
+                ) from exc
+            if body.done:
+                self._complete = True
+            if out:
+                return out
+
+    async def _read(self, connection: _Connection) -> bytes:
+        """The next bytes from the engine (``b""`` at its close)."""
+        self._reads += 1
+        if self._reads >= READS_BEFORE_YIELD:
+            # Data came at once many times in a row: let the others run.
+            self._reads = 0
+            await trio.lowlevel.checkpoint()
+        try:
+            return await connection.read()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise UpstreamError(
+                f"engine connection broke: {errors.describe(exc)}", before_response=False
+            ) from exc
 
     async def read(self) -> bytes:
         """The whole (rest of the) body."""
@@ -149,19 +398,14 @@ class UpstreamResponse:
 
     async def aclose(self) -> None:
         """Give the connection back to the pool if the answer was read to its
-        end and both sides keep it alive; close it otherwise."""
+        end, nothing came after it, and both sides keep it alive; close it
+        otherwise."""
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        conn = connection.h11
-        if self._complete and conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-            try:
-                conn.start_next_cycle()
-            except h11.LocalProtocolError:
-                pass
-            else:
-                self._pool._give_back(connection)
-                return
+        if self._complete and self._keep_alive and not self._body.rest and not self._pending:
+            self._pool._give_back(connection)
+            return
         await _close(connection)
 
     async def __aenter__(self) -> UpstreamResponse:
@@ -241,22 +485,17 @@ class UpstreamPool:
             UpstreamError: the engine could not be reached or answered
                 nonsense (``before_response`` is ``True`` here).
         """
-        all_headers = [
-            (b"host", self._host_header),
-            (b"content-length", str(len(body)).encode()),
-            *headers,
-        ]
-        request = h11.Request(method=method, target=target, headers=all_headers)
+        request = _request_bytes(method, target, self._host_header, headers, body)
         while self._idle:
             connection = self._idle.pop()
             try:
-                return await self._exchange(connection, request, body)
+                return await self._exchange(connection, request)
             except _Stale:
                 await _close(connection)
                 continue  # the engine closed it while idle; try the next one
         connection = await self._dial()
         try:
-            return await self._exchange(connection, request, body)
+            return await self._exchange(connection, request)
         except _Stale as exc:
             await _close(connection)
             raise UpstreamError(str(exc), before_response=True) from exc
@@ -310,38 +549,39 @@ class UpstreamPool:
             raise
         return stream
 
-    async def _exchange(
-        self, connection: _Connection, request: h11.Request, body: bytes
-    ) -> UpstreamResponse:
-        conn = connection.h11
+    async def _exchange(self, connection: _Connection, request: bytes) -> UpstreamResponse:
         try:
-            data = conn.send(request) or b""
-            if body:
-                data += conn.send(h11.Data(data=body)) or b""
-            data += conn.send(h11.EndOfMessage()) or b""
-            await connection.stream.send_all(data)
+            await connection.write(request)
+            buffer = b""
             while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    chunk = await connection.stream.receive_some(READ_SIZE)
-                    conn.receive_data(chunk)
-                    if not chunk and conn.their_state is h11.SEND_RESPONSE:
+                end = buffer.find(b"\r\n\r\n")
+                cut = 4
+                if end < 0:
+                    end, cut = buffer.find(b"\n\n"), 2
+                if end < 0:
+                    if len(buffer) > MAX_HEAD_BYTES:
+                        raise FramingError(f"an answer head over {MAX_HEAD_BYTES} bytes")
+                    chunk = await connection.read()
+                    if not chunk:
+                        if buffer:
+                            raise FramingError("the engine closed the connection mid-head")
                         raise _Stale("engine closed the connection before answering")
+                    buffer += chunk
                     continue
-                if type(event) is h11.Response:
-                    return UpstreamResponse(self, connection, event)
-                if type(event) is h11.ConnectionClosed:
-                    raise _Stale("engine closed the connection before answering")
-                # h11.InformationalResponse (100 Continue …): keep reading.
+                head = parse_head(buffer[:end])
+                buffer = buffer[end + cut :]
+                if head.status >= 200:
+                    return UpstreamResponse(self, connection, head, buffer)
+                if head.status == 101:
+                    raise FramingError("the engine switched protocols")
+                # 100 Continue and other interim answers: read on.
         except (trio.BrokenResourceError, OSError) as exc:
             raise _Stale(
                 f"engine connection broke before answering: {errors.describe(exc)}"
             ) from exc
-        except (h11.RemoteProtocolError, h11.LocalProtocolError) as exc:
+        except FramingError as exc:
             await _close(connection)
-            raise UpstreamError(
-                f"bad answer from engine: {errors.describe(exc)}", before_response=True
-            ) from exc
+            raise UpstreamError(f"bad answer from engine: {exc}", before_response=True) from exc
         except BaseException:
             await _close(connection)
             raise
@@ -351,6 +591,31 @@ class UpstreamPool:
             self._idle.append(connection)
         else:
             trio.lowlevel.spawn_system_task(_close, connection)
+
+
+def _request_bytes(
+    method: bytes,
+    target: bytes,
+    host: bytes,
+    headers: Sequence[tuple[bytes, bytes]],
+    body: bytes,
+) -> bytes:
+    """The whole request, head and body, in one piece.
+
+    Raises:
+        UpstreamError: a header name or value that would break the head
+            (``before_response``).
+    """
+    parts = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\ncontent-length: "]
+    parts.append(b"%d\r\n" % len(body))
+    for name, value in headers:
+        if _TOKEN.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+            raise UpstreamError(
+                f"a header that cannot be sent: {name[:40]!r}", before_response=True
+            )
+        parts += (name, b": ", value, b"\r\n")
+    parts += (b"\r\n", body)
+    return b"".join(parts)
 
 
 class _Stale(errors.UpstreamError):

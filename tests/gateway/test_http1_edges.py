@@ -460,6 +460,73 @@ async def test_a_client_that_never_reads_is_cut_and_the_app_told(
                 await told.wait()
 
 
+async def test_a_body_trickled_below_the_least_rate_is_408_and_closed(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A body of 200 bytes at about 20 bytes/s against a least rate of 100
+    # bytes/s after a 0.3 s grace: refused long before the body is whole.
+    monkeypatch.setattr(server, "BODY_GRACE_S", 0.3)
+    monkeypatch.setattr(server, "MIN_BODY_RATE_BYTES_PER_S", 100)
+    body = b'{"model":"sim-model","messages":[],"x":"' + b"a" * 150 + b'"}'
+    head = (
+        edge.chat()
+        .split(b"\r\n\r\n", 1)[0]
+        .replace(f"content-length: {len(CHAT)}".encode(), f"content-length: {len(body)}".encode())
+    )
+    stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+    got = b""
+    sent = 0
+    async with stream:
+        await stream.send_all(head + b"\r\n\r\n")
+        with trio.fail_after(20):
+            for byte in body:
+                try:
+                    await stream.send_all(bytes([byte]))
+                except trio.BrokenResourceError:
+                    break
+                sent += 1
+                with trio.move_on_after(0.05):
+                    chunk = await stream.receive_some(65536)
+                    got += chunk
+                    if not chunk:
+                        break
+            while chunk := await _receive_or_reset(stream):
+                got += chunk
+    assert statuses(got) == [408], got
+    assert b"too slowly" in got
+    assert sent < len(body), "the whole trickled body was taken"
+    assert edge.engine_seen == []
+
+
+async def test_a_slow_body_within_the_least_rate_is_served(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "BODY_GRACE_S", 5.0)
+    monkeypatch.setattr(server, "MIN_BODY_RATE_BYTES_PER_S", 100)
+    request = edge.chat()
+    half = len(request) - len(CHAT) // 2
+    stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+    got = b""
+    async with stream:
+        await stream.send_all(request[:half])
+        await trio.sleep(0.2)
+        await stream.send_all(request[half:])
+        with trio.fail_after(20):
+            while not got.endswith(b"0\r\n\r\n") and b"}" not in got.partition(b"\r\n\r\n")[2]:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    break
+                got += chunk
+    assert statuses(got) == [200], got
+
+
+async def _receive_or_reset(stream: trio.SocketStream) -> bytes:
+    try:
+        return await stream.receive_some(65536)
+    except trio.BrokenResourceError:
+        return b""
+
+
 # -- the server alone
 
 

@@ -122,3 +122,104 @@ async def test_a_connection_the_engine_closed_while_idle_is_replaced_transparent
             finally:
                 await pool.aclose()
             nursery.cancel_scope.cancel()
+
+
+# -- the body reader, alone
+
+_CHUNKED = b"5\r\nhello\r\n1;ext=1\r\n \r\nA \r\n0123456789\r\n0\r\nx-trailer: 1\r\n\r\n"
+
+
+@pytest.mark.parametrize("rest", [b"", b"HTTP/1.1 200 OK\r\n"])
+def test_a_chunked_body_is_the_same_cut_anywhere(rest: bytes) -> None:
+    from llmgw.gateway.upstream import BodyReader
+
+    wire = _CHUNKED + rest
+    cuts = [[wire[:at], wire[at:]] for at in range(len(wire) + 1)]
+    for pieces in [*cuts, [wire[at : at + 1] for at in range(len(wire))]]:
+        reader = BodyReader(chunked=True, length=None)
+        body = b"".join(reader.feed(piece) for piece in pieces)
+        assert body == b"hello 0123456789"
+        assert reader.done
+        assert reader.rest == rest
+
+
+def test_a_body_of_a_given_length_ends_there() -> None:
+    from llmgw.gateway.upstream import BodyReader
+
+    reader = BodyReader(chunked=False, length=5)
+    assert reader.feed(b"he") == b"he"
+    assert not reader.done
+    assert reader.feed(b"lloXY") == b"llo"
+    assert reader.done
+    assert reader.rest == b"XY"
+    assert BodyReader(chunked=False, length=0).done
+    to_close = BodyReader(chunked=False, length=None)
+    assert to_close.feed(b"abc") == b"abc"
+    assert not to_close.done
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"zz\r\nhello\r\n",  # not hex
+        b"5\r\nhelloXX",  # no CRLF after the data
+        b"\r\n",  # an empty size
+        b"1" * 17 + b"\r\n",  # too many digits
+        b"5" * 5000,  # a size line that never ends
+    ],
+)
+def test_a_malformed_chunk_is_a_framing_error(wire: bytes) -> None:
+    from llmgw.gateway.upstream import BodyReader, FramingError
+
+    reader = BodyReader(chunked=True, length=None)
+    with pytest.raises(FramingError):
+        reader.feed(wire)
+
+
+# -- the answer's head, alone
+
+
+def test_an_answer_head_is_parsed_with_lower_case_names() -> None:
+    from llmgw.gateway.upstream import parse_head
+
+    head = parse_head(
+        b"HTTP/1.1 429 Too Many\r\nRetry-After:  3 \r\nContent-Length: 2\r\ncontent-length: 2\r\nX-Empty:\r\n"
+        b"Content-Type: text/plain"
+    )
+    assert (head.status, head.http_version) == (429, b"1.1")
+    assert head.headers == [
+        (b"retry-after", b"3"),
+        (b"content-length", b"2"),
+        (b"x-empty", b""),
+        (b"content-type", b"text/plain"),
+    ]
+    assert parse_head(b"HTTP/1.0 200\nA: b").headers == [(b"a", b"b")]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        b"HTTP/2 200 OK",
+        b"HTTP/1.1 20 OK",
+        b"SPDY 200 OK",
+        b"HTTP/1.1 200 OK\r\n folded: line",
+        b"HTTP/1.1 200 OK\r\nno colon",
+        b"HTTP/1.1 200 OK\r\nbad name: x",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2",
+        b"HTTP/1.1 200 OK\r\ncontent-length: -1",
+        b"HTTP/1.1 200 OK\r\nx: a\rb",
+    ],
+)
+def test_a_malformed_answer_head_is_refused(block: bytes) -> None:
+    from llmgw.gateway.upstream import FramingError, parse_head
+
+    with pytest.raises(FramingError):
+        parse_head(block)
+
+
+async def test_a_header_that_would_break_the_request_is_not_sent() -> None:
+    pool = UpstreamPool("127.0.0.1", 9)  # never dialed: refused before
+    with pytest.raises(UpstreamError) as caught:
+        await pool.request(b"POST", b"/v1/x", [(b"x-id", b"a\r\nx-injected: 1")], b"{}")
+    assert caught.value.before_response
+    assert pool.statistics()["opened"] == 0

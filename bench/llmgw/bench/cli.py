@@ -5,7 +5,11 @@
 - ``overhead``: the latency and CPU the gateway adds over the sim engine, at
   rising rates (:mod:`llmgw.bench.overhead`);
 - ``gateway``: the gateway alone in front of one engine, the process
-  ``overhead`` starts (:mod:`llmgw.bench.gateway`).
+  ``overhead`` starts (:mod:`llmgw.bench.gateway`);
+- ``compare``: the engine alone, llmgw and an outside gateway side by side,
+  alternated (:mod:`llmgw.bench.compare`);
+- ``engine``: the sim engine on the gateway's lean HTTP server, cheap enough
+  not to be a benchmark's limit (:mod:`llmgw.bench.engine`).
 
 The ``llmgw`` command mounts :data:`bench` as its ``bench`` group. The
 gateway module, which pulls in the whole gateway, is imported only when a
@@ -279,3 +283,92 @@ async def until_interrupted(run: Callable[[], Awaitable[object]]) -> bool:
 
 def _print_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, sort_keys=True))
+
+
+@bench.command(
+    "engine",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("sim_args", nargs=-1, type=click.UNPROCESSED)
+def engine_command(sim_args: tuple[str, ...]) -> None:
+    """The sim engine on the gateway's own HTTP server (the sim's flags;
+    `--help` lists them): cheaper per request than `python -m
+    llmgw.engines.sim`, so a benchmark shows the gateway's limit."""
+    from .engine import run_bench_engine
+
+    try:
+        trio.run(run_bench_engine, sim_args)
+    except KeyboardInterrupt:
+        pass
+
+
+@bench.command("compare")
+@click.option(
+    "--concurrency", default="16,64,128", show_default=True, help="Streams, comma-separated."
+)
+@click.option("--rounds", default=3, show_default=True, help="Runs of each system per point.")
+@click.option("--duration-s", default=10.0, show_default=True, help="Measured seconds per run.")
+@click.option("--warmup-s", default=1.0, show_default=True, help="Unmeasured seconds per run.")
+@click.option("--mode", default="accounted", show_default=True, help="llmgw's bench gateway mode.")
+@click.option(
+    "--engine",
+    type=click.Choice(["bench", "sim"]),
+    default="bench",
+    show_default=True,
+    help="bench: llmgw bench engine; sim: python -m llmgw.engines.sim.",
+)
+@click.option("--engine-url", default=None, help="A running engine instead (a real one).")
+@click.option("--engine-key", default="", help="Its key.")
+@click.option("--model", default="bench-model", show_default=True, help="The engine's model.")
+@click.option("--gateway-url", default=None, help="An outside gateway in front of that engine.")
+@click.option("--gateway-key", default="", help="Its key.")
+@click.option("--gateway-model", default=None, help="Its name for the model (default --model).")
+@click.option("--no-pin", is_flag=True, help="Do not pin llmgw and the engine to cores.")
+@_JSON
+def compare_command(
+    concurrency: str,
+    rounds: int,
+    duration_s: float,
+    warmup_s: float,
+    mode: str,
+    engine: str,
+    engine_url: str | None,
+    engine_key: str,
+    model: str,
+    gateway_url: str | None,
+    gateway_key: str,
+    gateway_model: str | None,
+    no_pin: bool,
+    as_json: bool,
+) -> None:
+    """The engine alone, llmgw and an outside gateway side by side, alternated."""
+    from .compare import Outside, format_summary, run_compare, summarize
+
+    try:
+        points = [int(part) for part in concurrency.split(",") if part.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(
+            "comma-separated whole numbers", param_hint="--concurrency"
+        ) from exc
+    outside = Outside(gateway_url, gateway_key, gateway_model or model) if gateway_url else None
+    rows = trio.run(
+        lambda: run_compare(
+            concurrency=points,
+            rounds=rounds,
+            duration_s=duration_s,
+            warmup_s=warmup_s,
+            mode=mode,
+            engine=engine,
+            engine_url=engine_url,
+            engine_key=engine_key,
+            model=model,
+            outside=outside,
+            pin=not no_pin,
+        )
+    )
+    summary = summarize(rows)
+    if as_json:
+        _print_json({"runs": [row.to_json() for row in rows], "summary": summary})
+    else:
+        click.echo(format_summary(summary))
