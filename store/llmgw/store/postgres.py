@@ -101,15 +101,12 @@ from .records import (
     KeyRecord,
     Lease,
     Limits,
-    Membership,
     ModelRecord,
     NodeCertificate,
     Org,
-    Person,
     Project,
     ProjectPath,
     Scope,
-    SessionRecord,
     SettingChange,
     SummaryBy,
     Team,
@@ -253,7 +250,7 @@ def describe_address(conninfo: str) -> str:
 
 
 @final
-class PostgresStore:
+class PostgresStore(_people.PeopleMethods):
     """The :class:`~llmgw.store.Store` on a PostgreSQL database.
 
     Get one from :func:`open_postgres_store` (or :func:`llmgw.store.open_store`),
@@ -714,84 +711,7 @@ class PostgresStore:
             partial(_list_guard_events, last=last, request_id=request_id, rule=rule, since=since)
         )
 
-    # --- people, memberships, sessions (docs/portal.md) ----------------------
-    async def insert_person(self, person: Person) -> None:
-        """Keep a new person. Raises :class:`Conflict` if the id or address is taken."""
-        await self._people(_people.insert_person, person=person)
-
-    async def get_person(self, person_id: str) -> Person | None:
-        """The person with this id, or ``None``."""
-        return await self._people(_people.get_person, person_id=person_id)
-
-    async def find_person(self, email: str) -> Person | None:
-        """The person with this sign-in address (any case), or ``None``."""
-        return await self._people(_people.find_person, email=email)
-
-    async def list_people(self) -> list[Person]:
-        """Every person, by address."""
-        return await self._people(_people.list_people)
-
-    async def update_person(self, person: Person) -> bool:
-        """Replace the person with ``person.id``; ``False`` when there is none."""
-        return await self._people(_people.update_person, person=person)
-
-    async def delete_person(self, person_id: str) -> bool:
-        """Remove a person with their memberships and sessions."""
-        return await self._people(_people.delete_person, person_id=person_id)
-
-    async def forget_person(self, person_id: str, anonymous: str, at: float) -> bool:
-        """Erase a person's data; their keys are owned by ``anonymous``."""
-        return await self._people(
-            _people.forget_person, person_id=person_id, anonymous=anonymous, at=at
-        )
-
-    async def put_membership(self, membership: Membership) -> None:
-        """Add a membership, or change its role when it exists."""
-        await self._people(_people.put_membership, membership=membership)
-
-    async def delete_membership(self, person_id: str, scope: str, scope_id: str) -> bool:
-        """Remove one membership; ``False`` when there was none."""
-        return await self._people(
-            _people.delete_membership, person_id=person_id, scope=scope, scope_id=scope_id
-        )
-
-    async def list_memberships(self, person_id: str | None = None) -> list[Membership]:
-        """Every membership (of ``person_id`` when given)."""
-        return await self._people(_people.list_memberships, person_id=person_id)
-
-    async def insert_session(self, session: SessionRecord) -> None:
-        """Keep a new session. Raises :class:`Conflict` if the hash exists."""
-        await self._people(_people.insert_session, session=session)
-
-    async def get_session(self, token_hash: str) -> SessionRecord | None:
-        """The session with this token hash, or ``None``."""
-        return await self._people(_people.get_session, token_hash=token_hash)
-
-    async def delete_session(self, token_hash: str) -> bool:
-        """End one session; ``False`` when there was none."""
-        return await self._people(_people.delete_session, token_hash=token_hash)
-
-    async def delete_sessions(self, person_id: str, *, before: float | None = None) -> int:
-        """End every session of ``person_id``; with ``before``, drop expired ones too."""
-        return await self._people(_people.delete_sessions, person_id=person_id, before=before)
-
-    async def usage_of(
-        self,
-        since: float,
-        *,
-        key_ids: Sequence[str] | None = None,
-        project_id: str | None = None,
-        limit: int = 50_000,
-    ) -> list[UsageRow]:
-        """Raw usage rows of some keys or of one project; see :meth:`llmgw.store.Store.usage_of`."""
-        return await self._people(
-            _people.usage_of,
-            since=since,
-            key_ids=None if key_ids is None else tuple(key_ids),
-            project_id=project_id,
-            limit=limit,
-        )
-
+    # --- people, memberships, sessions: PeopleMethods (docs/portal.md) -------
     async def _people(self, fn: Callable[..., _T], **kwargs: Any) -> _T:
         return await self._run(lambda conn: fn(_people.PgSql(conn), **kwargs))
 
