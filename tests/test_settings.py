@@ -209,3 +209,22 @@ def test_a_key_that_is_not_text_is_a_settings_error(tmp_path: Path) -> None:
         load_settings(path)
     with pytest.raises(SettingsError, match="7"):
         settings_from_doc({"auth": {7: 1, "cache_ttl": "1s"}})
+
+
+def test_mirrors_and_weights_settings() -> None:
+    from llmgw.settings import settings_to_doc
+
+    settings = settings_from_doc(
+        {"mirrors": ["http://m:8090"], "weights": {"hf_endpoint": "https://hub", "token_file": "t"}}
+    )
+    assert settings.mirrors == ("http://m:8090",)
+    assert settings.weights.hf_endpoint == "https://hub"
+    assert settings_from_doc(settings_to_doc(settings)) == settings
+    for doc, said in (
+        ({"mirrors": "http://m"}, "mirrors: must be a list"),
+        ({"mirrors": ["ftp://m"]}, "mirrors[0]: 'ftp://m' is not an http"),
+        ({"weights": {"hf_endpoint": "hub"}}, "hf_endpoint: 'hub' is not an http"),
+        ({"weights": {"token": "x"}}, "token"),
+    ):
+        with pytest.raises(SettingsError, match=re.escape(said)):
+            settings_from_doc(doc)
