@@ -208,7 +208,9 @@ def _serve(up: Any, *args: str) -> dict[str, Any]:
     return doc
 
 
-def test_two_replicas_from_the_mirror_one_download(cluster: tuple[Any, Any], mirror: Any) -> None:
+def test_two_replicas_from_the_mirror_one_download(
+    cluster: tuple[Any, Any], mirror: Any, tmp_path: Path
+) -> None:
     up, _ = cluster
     served, _, commit, gguf = mirror
     view = _serve(up, f"hf:{REPO}@{commit}", "--name", "g", "--replicas", "2", "--cpu-cores", "1")
@@ -229,6 +231,18 @@ def test_two_replicas_from_the_mirror_one_download(cluster: tuple[Any, Any], mir
     assert weights.returncode == 0, weights.stderr
     held = json.loads(weights.stdout)["nodes"][0]["held"]
     assert [(h["repo"], h["revision"], h["in_use"]) for h in held] == [(REPO, commit, True)]
+    # Purged: the node deletes what it fetched once the replicas stopped.
+    removed = up.cli("ctl", "model", "remove", "g", "--purge")
+    assert removed.returncode == 0, removed.stderr
+
+    def held_now() -> list[Any]:
+        answer = up.cli("ctl", "weights", "--json")
+        assert answer.returncode == 0, answer.stderr
+        found: list[Any] = json.loads(answer.stdout)["nodes"][0]["held"]
+        return found
+
+    up.wait_for(lambda: held_now() == [], DEADLINE_S, "the node's copy purged")
+    assert not (tmp_path / "agent-state/weights/hf" / REPO / commit / gguf).exists()
 
 
 def test_a_flipped_byte_is_refused_naming_both_digests(
@@ -265,9 +279,9 @@ def test_a_killed_agent_resumes_the_download(
 ) -> None:
     up, agent = cluster
     served, relay, commit, gguf = mirror
-    view = _serve(up, f"hf:{REPO}@{commit}", "--name", "slow", "--cpu-cores", "1")
-    size = view["entry"]["origin"]["files"][0]["size_bytes"]
-    relay.rate = size / 20  # about 20 s for the whole file
+    size = served.blobs[str(gguf)].stat().st_size
+    relay.rate = size / 60  # about a minute for the whole file
+    _serve(up, f"hf:{REPO}@{commit}", "--name", "slow", "--cpu-cores", "1")
     part = tmp_path / "agent-state/weights/hf" / REPO / commit / f".{gguf.name}.part"
     up.wait_for(
         lambda: part.exists() and part.stat().st_size > size // 4,
@@ -275,6 +289,10 @@ def test_a_killed_agent_resumes_the_download(
         "a quarter of the file downloaded",
     )
     downloads = [r.get("download") for r in _replicas(up, "slow")]
+    shown = {
+        what: up.cli("ctl", *what.split()).stdout
+        for what in ("models", "status", "explain-placement slow")
+    }
     agent.kill(signal.SIGKILL)
     had = part.stat().st_size
     relay.rate = 0
@@ -292,6 +310,8 @@ def test_a_killed_agent_resumes_the_download(
     # copy of what it had.
     assert size <= served.served(str(gguf)) < size + had
     assert any(d and d["total_bytes"] == size for d in downloads), downloads
+    for what, text in shown.items():
+        assert re.search(r"downloading [\d.]+ MB of 253.1 MB", text), (what, text)
 
 
 def test_a_pickle_source_is_refused_before_any_byte(
