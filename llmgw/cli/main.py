@@ -13,7 +13,7 @@ registered.
 - ``llmgw node add`` prints a join code (:mod:`.node`, a client of the
   admin API); ``llmgw join CODE`` joins this machine to a cluster (:mod:`.join`);
 - ``llmgw bench …`` when the benchmarks are installed (:mod:`.bench`);
-- ``llmgw mirror serve|import|pull|list``, the model mirror (:mod:`.mirror`).
+- ``llmgw mirror serve|import|pull|list|verify``, the model mirror (:mod:`.mirror`).
 
 Errors are reported as :mod:`.errors` says. Each group's module is imported
 only when that command runs (or ``--help`` lists them), so ``llmgw up`` does

@@ -1,4 +1,4 @@
-"""``llmgw mirror serve|import|pull|list``: the model mirror (docs/mirror.md).
+"""``llmgw mirror serve|import|pull|list|verify``: the model mirror (docs/mirror.md).
 
 The data directory is ``--data-dir``, else ``$LLMGW_MIRROR_DIR``, else
 ``$XDG_DATA_HOME/llmgw/mirror`` (``~/.local/share/llmgw/mirror``).
@@ -6,6 +6,7 @@ The data directory is ``--data-dir``, else ``$LLMGW_MIRROR_DIR``, else
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -66,6 +67,10 @@ def _commit_json(store: Any, commit: Any) -> dict[str, Any]:
 def mirror() -> None:
     """The model mirror: pinned, immutable model versions served as the
     Hugging Face Hub's API (point HF_ENDPOINT at it)."""
+    # huggingface_hub's HTTP client logs each request at INFO; shown with -v.
+    if logging.getLogger().level > logging.DEBUG:
+        for noisy in ("httpx2", "httpcore2"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @mirror.command()
@@ -138,7 +143,10 @@ def import_(
     else:
         if path is None or repo is None:
             raise click.UsageError("give PATH and --as ORG/REPO (or --starter)")
-        commit = store.import_path(path, repo, revision=revision, expected_sha256=expected)
+        try:
+            commit = store.import_path(path, repo, revision=revision, expected_sha256=expected)
+        except OSError as exc:  # an unreadable source, a full disk
+            raise click.ClickException(errors.describe(exc)) from None
     if as_json:
         print_json(_commit_json(store, commit))
         return
@@ -179,14 +187,17 @@ def pull(
     from llmgw.mirror.pull import pull as pull_commit
 
     store = _store(data_dir)
-    commit = pull_commit(
-        store,
-        parse_hf_source(source),
-        endpoint=endpoint,
-        include=include,
-        allow_pickle=allow_pickle,
-        say=_say,
-    )
+    try:
+        commit = pull_commit(
+            store,
+            parse_hf_source(source),
+            endpoint=endpoint,
+            include=include,
+            allow_pickle=allow_pickle,
+            say=_say,
+        )
+    except OSError as exc:  # the data directory: unwritable, full
+        raise click.ClickException(f"{data_dir}: {errors.describe(exc)}") from None
     if as_json:
         print_json(_commit_json(store, commit))
         return
@@ -223,10 +234,41 @@ def list_(data_dir: Path, as_json: bool) -> None:
                     ",".join(names) or "-",
                     len(commit["files"]),
                     sum(f["size_bytes"] for f in commit["files"]),
-                    commit["created_at"],
+                    commit["created_at"][:19].replace("T", " "),
                 ]
             )
     if not rows:
         click.echo(f"no repositories in {data_dir}")
         return
-    click.echo(format_table(["REPO", "COMMIT", "REFS", "FILES", "BYTES", "CREATED"], rows))
+    click.echo(format_table(["REPO", "COMMIT", "REFS", "FILES", "BYTES", "CREATED (UTC)"], rows))
+
+
+@mirror.command()
+@_data_dir_option()
+@json_option()
+def verify(data_dir: Path, as_json: bool) -> None:
+    """Re-hash every stored file; list those whose bytes changed or are
+    missing (exit status 1 if any)."""
+    problems = _store(data_dir).check_blobs()
+    if as_json:
+        print_json(
+            [
+                {
+                    "sha256": p.sha256,
+                    "actual": p.actual,
+                    "blob": str(p.blob),
+                    "used_by": [{"repo": r, "commit": c, "path": f} for r, c, f in p.used_by],
+                }
+                for p in problems
+            ]
+        )
+    else:
+        for problem in problems:
+            found = "missing" if problem.actual is None else f"sha256 {problem.actual}"
+            click.echo(f"{problem.blob}: {found}, expected {problem.sha256}")
+            for repo, commit, path in problem.used_by:
+                click.echo(f"  used by {repo}@{commit} {path}")
+        if not problems:
+            click.echo("every stored file matches its sha256")
+    if problems:
+        raise SystemExit(1)

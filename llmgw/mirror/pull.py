@@ -30,7 +30,7 @@ from typing import Final
 import attrs
 
 from llmgw.control.catalog import PICKLE_SUFFIXES
-from llmgw.errors import InvalidInput, UpstreamError
+from llmgw.errors import InvalidInput, UpstreamError, describe
 
 from .paths import check_path, check_repo_id, check_revision
 from .store import Commit, DigestMismatch, MirrorStore, StoredFile, git_blob_sha1, sha256_of
@@ -88,14 +88,20 @@ def pull(
         UpstreamError: the Hub (or upstream mirror) failed or refused.
         CommitConflict: the commit is held with another set of files.
     """
+    import httpx2
     from huggingface_hub import HfApi, hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    # What the Hub (or the way to it) can fail with: an HTTP error answer, a
+    # transport error, or hf_hub_download's "not reachable, not cached".
+    upstream_errors = (HfHubHTTPError, LocalEntryNotFoundError, httpx2.HTTPError)
     api = HfApi(endpoint=endpoint)
     try:
         info = api.model_info(source.repo, revision=source.revision, files_metadata=True)
-    except HfHubHTTPError as exc:
-        raise UpstreamError(f"{api.endpoint}: {source.repo}@{source.revision}: {exc}") from exc
+    except upstream_errors as exc:
+        raise UpstreamError(
+            f"{api.endpoint}: {source.repo}@{source.revision}: {describe(exc)}"
+        ) from exc
     commit = info.sha
     if commit is None:
         raise UpstreamError(f"{api.endpoint} gave no commit for {source.repo}@{source.revision}")
@@ -122,8 +128,8 @@ def pull(
                     source.repo, path, revision=commit, cache_dir=cache, endpoint=endpoint
                 )
             ).resolve()
-        except HfHubHTTPError as exc:
-            raise UpstreamError(f"{api.endpoint}: {source.repo}/{path}: {exc}") from exc
+        except upstream_errors as exc:
+            raise UpstreamError(f"{api.endpoint}: {source.repo}/{path}: {describe(exc)}") from exc
         sha256 = sha256_of(local)
         size = local.stat().st_size
         try:

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Final
-from urllib.parse import parse_qs, quote, unquote
+from urllib.parse import parse_qs, quote, unquote_to_bytes
 
 import attrs
 import orjson
@@ -65,6 +65,8 @@ log = logging.getLogger("llmgw.mirror")
 
 _RANGE: Final = re.compile(r"bytes=(\d*)-(\d*)")
 _TRUE: Final = frozenset({"1", "true", "True"})
+#: A request body read (and dropped) before the answer is 413.
+_MAX_BODY_BYTES: Final = 1 << 16
 
 
 class RangeNotSatisfiable(InvalidInput):
@@ -207,8 +209,12 @@ class MirrorApp:
             return
         if scope["type"] != "http":
             return
-        while (await receive()).get("more_body", False):
-            pass  # no route takes a body
+        body_bytes = 0
+        while True:  # no route takes a body: read and drop it, up to a bound
+            message = await receive()
+            body_bytes += len(message.get("body", b""))
+            if not message.get("more_body", False) or body_bytes > _MAX_BODY_BYTES:
+                break
         sent = [0]
         status = [0]
         byte_range: list[str] = []
@@ -238,9 +244,19 @@ class MirrorApp:
                     target=target,
                     receive=receive,
                 )
+                if body_bytes > _MAX_BODY_BYTES:
+                    raise _Answer(
+                        413, f"the mirror takes no request body over {_MAX_BODY_BYTES} bytes"
+                    )
                 await self._dispatch(request, counted_send, byte_range)
             except _Answer as answer:
                 await _error(counted_send, answer, head=scope["method"] == "HEAD")
+            except Exception as exc:  # a broken manifest, an unreadable blob
+                log.exception("mirror: %s %s failed", scope["method"], target)
+                if status[0]:
+                    raise  # the answer had started: hypercorn cuts the connection
+                failure = _Answer(500, f"the mirror failed: {describe(exc)}")
+                await _error(counted_send, failure, head=scope["method"] == "HEAD")
         finally:
             access_log.info(
                 '%s "%s %s" %d %d%s %.3fs',
@@ -397,15 +413,14 @@ class MirrorApp:
 
 
 def _segments(raw_path: bytes) -> list[str]:
-    """The URL path's parts, each percent-decoded (a ``%2F`` stays inside its
-    part); a trailing slash is dropped.
+    """The URL path's parts, each percent-decoded and read as UTF-8 (a ``%2F``
+    stays inside its part); a trailing slash is dropped.
 
     Raises:
         _Answer: 400 when the path is not ASCII or a part not UTF-8.
     """
     try:
-        text = raw_path.decode("ascii")
-        parts = [unquote(p, errors="strict") for p in text.split("/")[1:]]
+        parts = [unquote_to_bytes(p).decode("utf-8") for p in raw_path.split(b"/")[1:]]
     except UnicodeDecodeError:
         raise _Answer(400, "the URL path is not UTF-8") from None
     if parts and parts[-1] == "":

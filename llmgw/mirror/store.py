@@ -43,6 +43,7 @@ from .paths import check_path, check_ref_name, check_repo_id, check_revision, is
 __all__ = [
     "BLOCK_BYTES",
     "STARTER_REPO",
+    "BlobProblem",
     "Commit",
     "CommitConflict",
     "DigestMismatch",
@@ -129,6 +130,18 @@ class StoredFile:
         """The git blob id (sha1 hex) of :attr:`lfs_pointer`, as the Hub's
         ``oid``/``blobId`` of an LFS file."""
         return git_blob_sha1(self.lfs_pointer)
+
+
+@attrs.frozen
+class BlobProblem:
+    """A stored blob that does not verify: its name (the sha256 it should
+    have), the sha256 it has (``None``: missing), its path, and the
+    ``(repo, commit, path)`` of each file that uses it."""
+
+    sha256: str
+    actual: str | None
+    blob: Path
+    used_by: tuple[tuple[str, str, str], ...]
 
 
 @attrs.frozen
@@ -312,6 +325,25 @@ class MirrorStore:
         found = [self.commit(repo, p.stem) for p in folder.glob("*.json") if is_commit(p.stem)]
         return sorted(found, key=lambda c: (c.created_at, c.commit))
 
+    def check_blobs(self) -> list[BlobProblem]:
+        """Re-hash every blob a commit uses (each once); the ones whose bytes
+        no longer hash to their name or are missing, with every file that
+        uses them. Reads every stored byte."""
+        users: dict[str, list[tuple[str, str, str]]] = {}
+        for repo in self.repos():
+            for commit in self.commits(repo):
+                for stored in commit.files:
+                    users.setdefault(stored.sha256, []).append((repo, commit.commit, stored.path))
+        problems = []
+        for sha256, used_by in sorted(users.items()):
+            try:
+                actual: str | None = sha256_of(self.blob_path(sha256))
+            except FileNotFoundError:
+                actual = None
+            if actual != sha256:
+                problems.append(BlobProblem(sha256, actual, self.blob_path(sha256), tuple(used_by)))
+        return problems
+
     # Writing.
 
     @contextlib.contextmanager
@@ -434,7 +466,7 @@ class MirrorStore:
         new = Commit(
             repo=repo,
             commit=commit_id,
-            created_at=dt.datetime.now(dt.UTC).replace(microsecond=0),
+            created_at=dt.datetime.now(dt.UTC),
             source=source,
             files=tuple(listed),
         )

@@ -32,6 +32,7 @@ def make_repo(root: Path) -> dict[str, bytes]:
         "tokenizer/tokenizer.json": b'{"version": "1.0"}\n',
         "tokenizer/extra/merges.txt": b"a b\n",
         ".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
+        "notes/résumé d'été.txt": b"non-ASCII names travel too\n",
     }
     for name, data in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import textwrap
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +23,18 @@ REPO = "acme/tiny-model"
 
 
 async def raw_request(
-    url: str, target: str, method: str = "GET"
+    url: str, target: str, method: str = "GET", body: bytes = b""
 ) -> tuple[int, dict[str, str], bytes]:
-    """Send ``METHOD target`` as written (no client normalises it); status,
-    headers (lower-case names) and body."""
+    """Send ``METHOD target`` as written (no client normalises it), with
+    ``body``; status, headers (lower-case names) and body."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with trio.fail_after(30):
         stream = await trio.open_tcp_stream(host, int(port))
         async with stream:
             await stream.send_all(
-                f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode(
-                    "latin-1"
-                )
+                f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
+                + body
             )
             data = b""
             while chunk := await stream.receive_some():
@@ -101,10 +102,13 @@ async def test_huggingface_hub_reads_the_mirror(mirror: Any, hf_run: Any) -> Non
     assert got["siblings"] == {p: [len(d), wanted[p]] for p, d in mirror.files.items()}
     assert {e["path"]: e["lfs"] for e in got["tree"] if e["kind"] == "RepoFile"} == wanted
     assert {e["path"] for e in got["tree"] if e["kind"] == "RepoFolder"} == {
+        "notes",
         "tokenizer",
         "tokenizer/extra",
     }
-    assert got["top"] == sorted([".gitattributes", "config.json", "model.safetensors", "tokenizer"])
+    assert got["top"] == sorted(
+        [".gitattributes", "config.json", "model.safetensors", "notes", "tokenizer"]
+    )
     assert got["sub"] == ["tokenizer/extra", "tokenizer/tokenizer.json"]
     assert got["one"] == wanted["tokenizer/extra/merges.txt"]
     assert got["snap"] == wanted
@@ -224,6 +228,16 @@ async def test_ranges_and_headers(mirror: Any) -> None:
     assert entry["requests"] == 4
     assert entry["sha256"] == sha256
     assert entry["commit"] == mirror.commit.commit
+
+
+async def test_a_request_body_is_refused(mirror: Any) -> None:
+    target = f"/{REPO}/resolve/main/config.json"
+    status, headers, _ = await raw_request(mirror.url, target, "POST", b"x" * 10)
+    assert status == 405
+    assert headers["allow"] == "GET, HEAD"
+    status, _, body = await raw_request(mirror.url, target, "POST", b"x" * 100_000)
+    assert status == 413
+    assert "no request body" in json.loads(body)["error"]
 
 
 async def test_huggingface_hub_resumes_with_a_range(
@@ -364,3 +378,41 @@ async def test_pull_refuses_a_corrupt_upstream_copy(mirror: Any, cli: Any, tmp_p
     assert stored.sha256 in done.stderr
     assert MirrorStore(data_dir).repos() == []
     assert not (data_dir / "blobs" / "sha256" / stored.sha256[:2] / stored.sha256).exists()
+
+
+async def test_a_broken_manifest_is_a_500_in_the_hubs_shape(
+    mirror: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="llmgw.mirror")
+    other = mirror.store.data_dir / "repos" / "acme" / "broken"
+    await trio.Path(other / "commits").mkdir(parents=True)
+    await trio.Path(other / "refs.json").write_text(json.dumps({"main": "1" * 40}))
+    await trio.Path(other / "commits" / f"{'1' * 40}.json").write_text("{")
+    status, headers, body = await raw_request(mirror.url, "/api/models/acme/broken")
+    assert status == 500
+    assert json.loads(body)["error"].startswith("the mirror failed")
+    assert headers["x-error-message"]
+    # The server goes on answering.
+    status, _, _ = await raw_request(mirror.url, f"/api/models/{REPO}")
+    assert status == 200
+
+
+async def test_pull_of_what_the_upstream_lacks_or_cannot_answer(
+    mirror: Any, cli: Any, tmp_path: Path
+) -> None:
+    import os
+
+    data_dir = tmp_path / "second"
+    for endpoint, source in (
+        (mirror.url, "hf:acme/nope@main"),
+        ("http://127.0.0.1:1", f"hf:{REPO}"),
+    ):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        env.update(HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"))
+        done = await trio.to_thread.run_sync(
+            partial(cli, "mirror", "pull", source, "--data-dir", str(data_dir), env=env)
+        )
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.startswith(f"Error: {endpoint}: "), done.stderr
+        assert "Traceback" not in done.stderr
+    assert MirrorStore(data_dir).repos() == []

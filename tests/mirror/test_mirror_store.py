@@ -194,3 +194,29 @@ def test_cli_import_and_list(
     missing = cli("mirror", "import", "--data-dir", str(data_dir))
     assert missing.returncode == 2
     assert "give PATH and --as" in missing.stderr
+
+
+def test_verify_names_a_changed_blob(
+    tmp_path: Path, repo_dir: tuple[Path, dict[str, bytes]], cli: Any
+) -> None:
+    data_dir = tmp_path / "m"
+    store = MirrorStore(data_dir)
+    commit = store.import_path(repo_dir[0], REPO)
+    clean = cli("mirror", "verify", "--data-dir", str(data_dir))
+    assert clean.returncode == 0, clean.stderr
+    assert "every stored file matches" in clean.stdout
+    stored = commit.file("config.json")
+    assert stored is not None
+    blob = store.blob_path(stored.sha256)
+    blob.chmod(0o644)
+    blob.write_bytes(b"[" + blob.read_bytes()[1:])
+    changed = hashlib.sha256(blob.read_bytes()).hexdigest()
+    found = cli("mirror", "verify", "--data-dir", str(data_dir), "--json")
+    assert found.returncode == 1
+    (problem,) = json.loads(found.stdout)
+    assert problem["sha256"] == stored.sha256
+    assert problem["actual"] == changed
+    assert problem["used_by"] == [{"repo": REPO, "commit": commit.commit, "path": "config.json"}]
+    blob.unlink()
+    (missing,) = store.check_blobs()
+    assert missing.actual is None
