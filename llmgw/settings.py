@@ -711,8 +711,10 @@ def settings_from_doc(doc: Mapping[str, Any]) -> ServerSettings:
         SettingsError: an unknown key or a bad value, with the key's path.
     """
     for key, value in doc.items():
-        if key == "mirrors" and isinstance(value, list | tuple):
-            continue  # the one top-level list (model mirrors' URLs)
+        if key == "mirrors":  # the one top-level list (model mirrors' URLs)
+            if not isinstance(value, list | tuple):
+                raise SettingsError("mirrors: must be a list of URLs, like ['http://host:8090']")
+            continue
         if not (isinstance(value, dict) or value is None):
             raise SettingsError(f"{key!r} must be a block of settings (a mapping)")
     try:

@@ -218,3 +218,22 @@ def test_the_lease_ttl_defaults_to_10_s_and_is_read_as_a_duration_of_at_least_2_
         settings_from_doc({"ha": {"lease_ttl_s": 1}})
     with pytest.raises(SettingsError, match=r"ttl.*\.ha"):
         settings_from_doc({"ha": {"ttl": 5}})
+
+
+def test_mirrors_and_weights_settings() -> None:
+    from llmgw.settings import settings_to_doc
+
+    settings = settings_from_doc(
+        {"mirrors": ["http://m:8090"], "weights": {"hf_endpoint": "https://hub", "token_file": "t"}}
+    )
+    assert settings.mirrors == ("http://m:8090",)
+    assert settings.weights.hf_endpoint == "https://hub"
+    assert settings_from_doc(settings_to_doc(settings)) == settings
+    for doc, said in (
+        ({"mirrors": "http://m"}, "mirrors: must be a list"),
+        ({"mirrors": ["ftp://m"]}, "mirrors[0]: 'ftp://m' is not an http"),
+        ({"weights": {"hf_endpoint": "hub"}}, "hf_endpoint: 'hub' is not an http"),
+        ({"weights": {"token": "x"}}, "token"),
+    ):
+        with pytest.raises(SettingsError, match=re.escape(said)):
+            settings_from_doc(doc)

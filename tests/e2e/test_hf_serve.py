@@ -1,13 +1,13 @@
-"""``ctl model serve hf:…`` end to end, offline: a hub of this test's own
-(a real HTTP server answering the part of the Hugging Face API that
-``huggingface_hub`` and the agent use, with ``Range``, counting the bytes it
-serves) holds the starter GGUF as ``llmgw/gemma-3-270m-gguf``; ``llmgw up
---no-agent`` has it as its mirror; a separate ``llmgw agent`` with no copy
-fetches it (``docs/models-from-hf.md``).
+"""``ctl model serve hf:…`` end to end, offline: ``llmgw mirror`` is the
+hub. The starter GGUF is imported as ``llmgw/gemma-3-270m-gguf`` and served
+by ``llmgw mirror serve``; ``llmgw up --no-agent`` has it as its mirror
+(through a relay of this test that can slow the bytes down, so an agent can
+be killed mid-download); a separate ``llmgw agent`` with no copy fetches it
+(``docs/models-from-hf.md``). The mirror's ``/-/stats`` counts the bytes.
 
 - two replicas on one node: READY, answering through the ``openai``
   client, the file downloaded once;
-- a byte flipped in the hub's copy: refused, naming both digests, and the
+- a byte flipped in the mirror's copy: refused, naming both digests, and the
   replica shows why;
 - the agent killed mid-download: the next one resumes (the bytes are not
   fetched twice);
@@ -19,19 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-
-from llmgw.agent.weights import assemble_starter_model
 
 pytestmark = pytest.mark.slow
 
@@ -39,133 +38,153 @@ REPO = "llmgw/gemma-3-270m-gguf"
 DEADLINE_S = 240.0
 
 
-class FileHub:
-    """Repositories as files (``root/<org>/<repo>/<commit>/<path>``) with
-    the digests it publishes, served like the hub (resolve with ``Range``)."""
+class Mirror:
+    """``llmgw mirror serve`` on a free port over ``data_dir``."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.published: dict[tuple[str, str], dict[str, tuple[int, str]]] = {}
-        self.refs: dict[tuple[str, str], str] = {}
-        self.served: Counter[str] = Counter()
-        #: (repo, path) -> the byte each resolve GET started from.
-        self.starts: dict[tuple[str, str], list[int]] = {}
-        #: repo -> bytes per second it is served at (0 = as fast as it goes).
-        self.throttle: dict[str, float] = {}
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.lines: list[str] = []
+        #: Where the mirror keeps each imported file's bytes, by path.
+        self.blobs: dict[str, Path] = {}
+        self.process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "llmgw.cli", "mirror", "serve"),
+                *("--data-dir", str(data_dir), "--listen", "127.0.0.1:0"),
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.process.stderr is not None
+            for line in self.process.stderr:
+                self.lines.append(line)
+                if not found and (match := re.search(r"serving .* on (http://\S+)", line)):
+                    found.append(match.group(1))
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        deadline = time.monotonic() + 60
+        while not found and self.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert found, "".join(self.lines)
+        self.url = found[0]
+
+    def served(self, path: str) -> int:
+        """Bytes of ``path`` served since the mirror started (``/-/stats``)."""
+        stats = httpx.get(f"{self.url}/-/stats", timeout=10).json()
+        return sum(f["bytes_served"] for f in stats["files"] if f["path"] == path)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.reader.join(timeout=10)
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+
+
+def _llmgw(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+class Relay:
+    """An HTTP relay in front of the mirror that can hold each answer's body
+    to ``rate`` bytes per second (0 = as fast as it goes). It reads from the
+    mirror only as fast as it writes, so the mirror's counters stay within a
+    socket buffer of what the client got."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.rate = 0.0
+        #: The first byte of each ``resolve`` GET (0 without ``Range``).
+        self.starts: list[int] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def add(self, repo: str, files: dict[str, Path]) -> str:
-        """Import ``files`` as a new commit of ``repo`` (``main``); its id."""
-        digests = {p: hashlib.sha256(f.read_bytes()).hexdigest() for p, f in files.items()}
-        commit = hashlib.sha1(json.dumps([repo, digests], sort_keys=True).encode()).hexdigest()
-        for path, source in files.items():
-            target = self.root / repo / commit / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, target)
-        self.published[(repo, commit)] = {
-            p: ((self.root / repo / commit / p).stat().st_size, d) for p, d in digests.items()
-        }
-        self.refs[(repo, "main")] = commit
-        self.refs[(repo, commit)] = commit
-        return commit
-
     def _handler(self) -> type[BaseHTTPRequestHandler]:
-        hub = self
+        relay = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
                 pass
 
             def do_HEAD(self) -> None:
-                self.do_GET()
+                self._relay()
 
             def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if api := re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/(.+))?", path):
-                    repo, rev = api.group(1), api.group(2) or "main"
-                    commit = hub.refs.get((repo, rev))
-                    if commit is None:
-                        self._json(404, {"error": "not found"}, "RepoNotFound")
+                self._relay()
+
+            def _relay(self) -> None:
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("range",)}
+                if "/resolve/" in self.path and self.command == "GET":
+                    found = re.fullmatch(r"bytes=(\d+)-", headers.get("Range", ""))
+                    relay.starts.append(int(found.group(1)) if found else 0)
+                with (
+                    httpx.Client(timeout=60) as client,
+                    client.stream(
+                        self.command, relay.upstream + self.path, headers=headers
+                    ) as answer,
+                ):
+                    self.send_response(answer.status_code)
+                    for key, value in answer.headers.items():
+                        if key.lower() not in ("transfer-encoding", "connection", "server", "date"):
+                            self.send_header(key, value)
+                    self.end_headers()
+                    if self.command == "HEAD":
                         return
-                    siblings = [
-                        {"rfilename": p, "size": size}
-                        | (
-                            {"lfs": {"sha256": sha, "size": size, "pointerSize": 134}}
-                            if p.endswith((".gguf", ".bin"))
-                            else {}
-                        )
-                        for p, (size, sha) in sorted(hub.published[(repo, commit)].items())
-                    ]
-                    self._json(200, {"id": repo, "sha": commit, "siblings": siblings})
-                    return
-                match = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
-                commit = hub.refs.get((match.group(1), match.group(2))) if match else None
-                if match is None or commit is None:
-                    self._json(404, {"error": "not found"}, "EntryNotFound")
-                    return
-                repo, _, name = match.groups()
-                file = hub.root / repo / commit / name
-                size = file.stat().st_size
-                start = 0
-                if rng := re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", "")):
-                    start = int(rng.group(1))
-                self.send_response(206 if start else 200)
-                self.send_header("Content-Length", str(size - start))
-                self.send_header("Accept-Ranges", "bytes")
-                self.send_header("X-Repo-Commit", commit)
-                self.end_headers()
-                if self.command == "HEAD":
-                    return
-                hub.starts.setdefault((repo, name), []).append(start)
-                rate = hub.throttle.get(repo, 0.0)
-                with file.open("rb") as f:
-                    f.seek(start)
-                    while block := f.read(1 << 20):
+                    for block in answer.iter_raw(256 * 1024):
                         try:
                             self.wfile.write(block)
                         except OSError:
                             return
-                        hub.served[f"{repo}/{name}"] += len(block)
-                        if rate:
-                            time.sleep(len(block) / rate)
-
-            def _json(self, status: int, doc: object, error: str = "") -> None:
-                body = json.dumps(doc).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                if error:
-                    self.send_header("X-Error-Code", error)
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(body)
+                        if relay.rate:
+                            time.sleep(len(block) / relay.rate)
 
         return Handler
 
 
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return assemble_starter_model(tmp_path_factory.mktemp("starter"))
-
-
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[FileHub]:
-    files = FileHub(tmp_path / "hub")
-    yield files
-    files.server.shutdown()
-    files.server.server_close()
+def mirror(tmp_path: Path) -> Iterator[tuple[Mirror, Relay, str, Path]]:
+    """The starter imported and served: (mirror, relay, commit, the GGUF's path in the repo)."""
+    data_dir = tmp_path / "mirror"
+    imported = json.loads(
+        _llmgw("mirror", "import", "--starter", "--data-dir", str(data_dir), "--json")
+    )
+    commit = imported["commit"]
+    served = Mirror(data_dir)
+    served.blobs = {f["path"]: Path(f["blob"]) for f in imported["files"]}
+    relay = Relay(served.url)
+    try:
+        yield served, relay, commit, Path(imported["files"][0]["path"])
+    finally:
+        relay.server.shutdown()
+        relay.server.server_close()
+        served.stop()
 
 
 @pytest.fixture
 def cluster(
-    tmp_path: Path, hub: FileHub, start_up: Any, agent_type: Any, procs: Any
+    tmp_path: Path, mirror: Any, start_up: Any, agent_type: Any, procs: Any
 ) -> Iterator[tuple[Any, Any]]:
-    """``llmgw up --no-agent`` with ``hub`` as its mirror, and one agent."""
+    """``llmgw up --no-agent`` with the mirror (through the relay) as its
+    ``mirrors``, and one agent."""
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    (data_dir / "server.yaml").write_text(json.dumps({"mirrors": [hub.url]}))
+    (data_dir / "server.yaml").write_text(json.dumps({"mirrors": [mirror[1].url]}))
     up = start_up("--no-agent", "--engine", "sim", "--model-name", "s")
     up.wait_run(DEADLINE_S)
     agent = agent_type(up, tmp_path / "agent-state", tmp_path / "agent.log", "hf-node")
@@ -190,23 +209,20 @@ def _serve(up: Any, *args: str) -> dict[str, Any]:
 
 
 def test_two_replicas_from_the_mirror_one_download(
-    cluster: tuple[Any, Any], hub: FileHub, gguf: Path
+    cluster: tuple[Any, Any], mirror: Any, tmp_path: Path
 ) -> None:
     up, _ = cluster
-    commit = hub.add(REPO, {gguf.name: gguf})
+    served, _, commit, gguf = mirror
     view = _serve(up, f"hf:{REPO}@{commit}", "--name", "g", "--replicas", "2", "--cpu-cores", "1")
     assert view["resolved"]["revision"] == commit
-    assert view["entry"]["source"] == f"hf:{REPO}@{commit}/{gguf.name}"
-    assert (
-        view["entry"]["origin"]["files"][0]["sha256"]
-        == hashlib.sha256(gguf.read_bytes()).hexdigest()
-    )
+    assert view["entry"]["source"] == f"hf:{REPO}@{commit}/{gguf}"
+    size = view["entry"]["origin"]["files"][0]["size_bytes"]
     up.wait_for(
         lambda: [r["state"] for r in _replicas(up, "g")] == ["READY", "READY"],
         DEADLINE_S,
-        f"two READY replicas of g: {_replicas(up, 'g')}",
+        "two READY replicas of g",
     )
-    assert hub.served[f"{REPO}/{gguf.name}"] == gguf.stat().st_size  # one download
+    assert served.served(str(gguf)) == size  # one download for two replicas
     answer = up.openai_client(timeout=60).chat.completions.create(
         model="g", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
     )
@@ -215,43 +231,57 @@ def test_two_replicas_from_the_mirror_one_download(
     assert weights.returncode == 0, weights.stderr
     held = json.loads(weights.stdout)["nodes"][0]["held"]
     assert [(h["repo"], h["revision"], h["in_use"]) for h in held] == [(REPO, commit, True)]
+    # Purged: the node deletes what it fetched once the replicas stopped.
+    removed = up.cli("ctl", "model", "remove", "g", "--purge")
+    assert removed.returncode == 0, removed.stderr
+
+    def held_now() -> list[Any]:
+        answer = up.cli("ctl", "weights", "--json")
+        assert answer.returncode == 0, answer.stderr
+        found: list[Any] = json.loads(answer.stdout)["nodes"][0]["held"]
+        return found
+
+    up.wait_for(lambda: held_now() == [], DEADLINE_S, "the node's copy purged")
+    assert not (tmp_path / "agent-state/weights/hf" / REPO / commit / gguf).exists()
 
 
 def test_a_flipped_byte_is_refused_naming_both_digests(
-    cluster: tuple[Any, Any], hub: FileHub, gguf: Path, tmp_path: Path
+    cluster: tuple[Any, Any], mirror: Any, tmp_path: Path
 ) -> None:
     up, _ = cluster
-    commit = hub.add(REPO, {gguf.name: gguf})
-    good = hub.published[(REPO, commit)][gguf.name][1]
-    copy = hub.root / REPO / commit / gguf.name
-    with copy.open("r+b") as f:
+    served, _, commit, gguf = mirror
+    blob = served.blobs[str(gguf)]
+    good = blob.name
+    blob.chmod(0o644)
+    with blob.open("r+b") as f:
         f.seek(1_000_000)
         byte = f.read(1)
         f.seek(1_000_000)
         f.write(bytes([byte[0] ^ 0xFF]))
-    bad = hashlib.sha256(copy.read_bytes()).hexdigest()
-    _serve(up, f"hf:{REPO}@{commit}", "--name", "flipped")
+    bad = hashlib.sha256(blob.read_bytes()).hexdigest()
+    assert bad != good
+    _serve(up, f"hf:{REPO}@{commit}", "--name", "flipped", "--cpu-cores", "1")
 
     def failed() -> str:
         reasons = [r["reason"] for r in _replicas(up, "flipped") if r["state"] == "FAILED"]
         return reasons[0] if reasons else ""
 
-    reason = up.wait_for(failed, DEADLINE_S, f"a FAILED replica: {_replicas(up, 'flipped')}")
+    reason = up.wait_for(failed, DEADLINE_S, "a FAILED replica of flipped")
     assert good in reason
     assert bad in reason
     # The copy was deleted on the node; nothing serves from it.
-    assert not (tmp_path / "agent-state/weights/hf" / REPO / commit / gguf.name).exists()
+    assert not (tmp_path / "agent-state/weights/hf" / REPO / commit / gguf).exists()
     assert "READY" not in [r["state"] for r in _replicas(up, "flipped")]
 
 
 def test_a_killed_agent_resumes_the_download(
-    cluster: tuple[Any, Any], hub: FileHub, gguf: Path, tmp_path: Path
+    cluster: tuple[Any, Any], mirror: Any, tmp_path: Path
 ) -> None:
     up, agent = cluster
-    commit = hub.add(REPO, {gguf.name: gguf})
-    size = gguf.stat().st_size
-    hub.throttle[REPO] = size / 20  # about 20 s for the whole file
-    _serve(up, f"hf:{REPO}@{commit}", "--name", "slow")
+    served, relay, commit, gguf = mirror
+    size = served.blobs[str(gguf)].stat().st_size
+    relay.rate = size / 60  # about a minute for the whole file
+    _serve(up, f"hf:{REPO}@{commit}", "--name", "slow", "--cpu-cores", "1")
     part = tmp_path / "agent-state/weights/hf" / REPO / commit / f".{gguf.name}.part"
     up.wait_for(
         lambda: part.exists() and part.stat().st_size > size // 4,
@@ -259,35 +289,52 @@ def test_a_killed_agent_resumes_the_download(
         "a quarter of the file downloaded",
     )
     downloads = [r.get("download") for r in _replicas(up, "slow")]
+    shown = {
+        what: up.cli("ctl", *what.split()).stdout
+        for what in ("models", "status", "explain-placement slow")
+    }
     agent.kill(signal.SIGKILL)
     had = part.stat().st_size
-    hub.throttle[REPO] = 0
+    relay.rate = 0
     agent.start()
     up.wait_for(
         lambda: [r["state"] for r in _replicas(up, "slow")] == ["READY"],
         DEADLINE_S,
-        f"slow READY: {_replicas(up, 'slow')}",
+        "slow READY after the agent was killed",
     )
-    starts = hub.starts[(REPO, gguf.name)]
-    assert starts[0] == 0
-    assert starts[-1] >= had > 0  # the next agent resumed where the file stopped
-    # Not fetched twice: what the first agent had received is not sent again
-    # (at most what was in flight when it died, a few MB).
-    assert hub.served[f"{REPO}/{gguf.name}"] < size + 16 * 2**20
+    assert relay.starts[0] == 0
+    assert relay.starts[-1] >= had > 0  # the next agent resumed where the file stopped
+    # Not fetched twice: the bytes the first agent had kept are not sent
+    # again. The mirror counts a little more than the file (what was in the
+    # sockets and the relay when the agent died), but less than a second
+    # copy of what it had.
+    assert size <= served.served(str(gguf)) < size + had
     assert any(d and d["total_bytes"] == size for d in downloads), downloads
+    for what, text in shown.items():
+        assert re.search(r"downloading [\d.]+ MB of 253.1 MB", text), (what, text)
 
 
 def test_a_pickle_source_is_refused_before_any_byte(
-    cluster: tuple[Any, Any], hub: FileHub, tmp_path: Path
+    cluster: tuple[Any, Any], mirror: Any, tmp_path: Path
 ) -> None:
     up, _ = cluster
-    weights = tmp_path / "pytorch_model.bin"
-    weights.write_bytes(b"\x80\x04not really a pickle")
-    config = tmp_path / "config.json"
-    config.write_text("{}")
-    hub.add("someone/old-model", {"pytorch_model.bin": weights, "config.json": config})
+    served = mirror[0]
+    folder = tmp_path / "old-model"
+    folder.mkdir()
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    (folder / "config.json").write_text("{}")
+    _llmgw(
+        "mirror",
+        "import",
+        str(folder),
+        "--as",
+        "someone/old-model",
+        "--data-dir",
+        str(served.data_dir),
+    )
     result = up.cli("ctl", "model", "serve", "hf:someone/old-model")
     assert result.returncode == 1
     assert "pickle" in result.stderr
-    assert not hub.served
+    assert served.served("pytorch_model.bin") == 0
+    assert served.served("config.json") == 0
     assert "old-model" not in up.cli("ctl", "models").stdout

@@ -25,6 +25,8 @@ from llmgw.store import (
     KeyRecord,
     Lease,
     ModelRecord,
+    Origin,
+    OriginFile,
     Profile,
     Store,
     UsageRow,
@@ -724,3 +726,22 @@ async def test_the_settings_document_survives_a_reopen(open_test_store: OpenStor
     async with open_test_store() as store:
         assert await store.get_settings_doc() == (1, {"nodes": {"cordoned": ["n1"]}})
         assert await store.settings_version() == 1
+
+
+async def test_a_model_with_its_pinned_origin_round_trips(store: Store) -> None:
+    origin = Origin(
+        repo="llmgw/gemma-3-270m-gguf",
+        revision="c" * 40,
+        files=(
+            OriginFile(path="m.gguf", size_bytes=253_113_024, sha256="ab" * 32),
+            OriginFile(path="sub/config.json", size_bytes=12, sha256="cd" * 32),
+        ),
+        main_file="m.gguf",
+    )
+    model = attrs.evolve(
+        ModelRecord.simple("pinned", "llamacpp"),
+        source=f"hf:llmgw/gemma-3-270m-gguf@{'c' * 40}/m.gguf",
+        origin=origin,
+    )
+    await store.put_model(model)
+    assert await store.get_model("pinned") == model

@@ -259,6 +259,8 @@ class Supervisor:
         self._nursery: trio.Nursery | None = None
         #: Digests of weights files already hashed, by file identity.
         self._digests = DigestCache()
+        #: Versions (``ORG/REPO@commit``) to remove once no shard runs on them.
+        self._purge_pending: set[str] = set()
         #: Fetches pinned model versions (``StartShard.weights``).
         self.fetcher = fetcher or WeightsFetcher(weights_dir or state_dir / "weights")
 
@@ -461,7 +463,8 @@ class Supervisor:
         for version in ask.remove:
             repo, _, revision = version.partition("@")
             if version in in_use:
-                kept.append(f"{version}: a shard of this node runs on it")
+                self._purge_pending.add(version)
+                kept.append(f"{version}: a shard of this node runs on it; removed once it stops")
                 continue
             try:
                 removed += await trio.to_thread.run_sync(remove_weights, root, repo, revision)
@@ -484,6 +487,28 @@ class Supervisor:
             removed=tuple(removed),
             kept=tuple(kept),
         )
+
+    async def _purge_unused(self) -> None:
+        """Remove the versions a ``WeightsRequest`` asked to remove while a
+        shard ran on them, once none does (only files llmgw fetched)."""
+        if not self._purge_pending:
+            return
+        in_use = {
+            f"{shard.start.weights.repo}@{shard.start.weights.revision}"
+            for shard in self._shards.values()
+            if shard.start.weights is not None and shard.state in _ACTIVE and not shard.ending
+        }
+        for version in sorted(self._purge_pending - in_use):
+            self._purge_pending.discard(version)
+            repo, _, revision = version.partition("@")
+            try:
+                removed = await trio.to_thread.run_sync(
+                    remove_weights, self.fetcher.weights_dir, repo, revision
+                )
+            except (errors.LlmgwError, OSError) as exc:
+                log.warning("weights %s: cannot remove them: %s", version, exc)
+                continue
+            log.info("weights %s: removed %d files (purged)", version, len(removed))
 
     def state(self, shard_id: str) -> ShardState | None:
         """A shard's state, or ``None`` for a shard this supervisor never ran."""
@@ -1018,6 +1043,7 @@ class Supervisor:
                 self._state.remove(shard_id, keep_log=shard.state is ShardState.FAILED)
             shard.state = ShardState.STOPPED
             log.info("shard %s: stopped", shard_id)
+            await self._purge_unused()
             status = self._status(shard, correlation_id=correlation_id)
             if wait_to_report:
                 await self._emit(status)
