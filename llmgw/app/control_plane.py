@@ -223,9 +223,23 @@ async def serve_control_plane(
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
     # The portal and the admin pages (docs/portal.md): one prefix dispatch in
     # front of each listener; /v1 and /api go on untouched.
-    client_app = with_pages(gateway, make_portal_app(store, cluster, people, keys_service))
+    client_app = with_pages(
+        gateway,
+        make_portal_app(
+            store, cluster, people, keys_service, resolver=resolver, accountant=accountant
+        ),
+    )
     admin_pages = with_pages(
-        admin, make_portal_app(store, cluster, people, keys_service, admin_listener=True)
+        admin,
+        make_portal_app(
+            store,
+            cluster,
+            people,
+            keys_service,
+            admin_listener=True,
+            resolver=resolver,
+            accountant=accountant,
+        ),
     )
 
     async with trio.open_nursery() as services:

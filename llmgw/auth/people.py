@@ -4,8 +4,8 @@
 - Passwords are hashed with argon2id (``argon2-cffi``'s defaults: 64 MiB,
   3 passes); a stored hash that begins with ``!`` is no local password.
 - Sign-in failures are counted per (address, client) pair and per client, in
-  this process: ten wrong passwords from one client lock that client out of
-  that account (and, past :data:`CLIENT_FAILURES`, out of every account) for
+  this process: :data:`PAIR_FAILURES` (5) wrong passwords from one client
+  lock that client out of that account (and, past :data:`CLIENT_FAILURES`, out of every account) for
   :data:`LOCKOUT_S`, never the owner signing in from elsewhere. A client's
   counters reset when it signs in.
 - An unknown address is checked against a dummy hash, so it costs the same
@@ -421,25 +421,35 @@ class People:
         never stored; only its hash is)."""
         return KEY_PREFIX + _mac(self._secret, "chat:" + token)
 
-    async def ensure_chat_key(self, signed: SignedIn, token: str) -> str:
-        """The session's chat key, made (a personal key of the person,
-        expiring with the session) on first need."""
+    async def ensure_chat_key(
+        self, signed: SignedIn, token: str, project_id: str | None = None
+    ) -> tuple[str, KeyRecord]:
+        """The session's chat key (its secret and record), made on first
+        need: a key of the person expiring with the session, in
+        ``project_id`` (a project the person is a member of, so the chat
+        obeys that project's, team's and org's limits and model lists) or
+        personal when ``None``. A key already made keeps its place."""
         secret = self.chat_key(token)
-        if await self._store.find_key_by_hash(hash_key(secret)) is None:
-            record = KeyRecord(
-                id="key_" + secrets.token_hex(8),
-                name=CHAT_KEY_NAME,
-                key_hash=hash_key(secret),
-                prefix=secret[: len(KEY_PREFIX) + 4],
-                created_at=time.time(),
-                expires_at=signed.session.expires_at,
-                owner=signed.person.email,
-            )
-            try:
-                await self._store.insert_key(record)
-            except Conflict:
-                pass
-        return secret
+        found = await self._store.find_key_by_hash(hash_key(secret))
+        if found is not None:
+            return secret, found
+        record = KeyRecord(
+            id="key_" + secrets.token_hex(8),
+            name=CHAT_KEY_NAME,
+            key_hash=hash_key(secret),
+            prefix=secret[: len(KEY_PREFIX) + 4],
+            created_at=time.time(),
+            expires_at=signed.session.expires_at,
+            owner=signed.person.email,
+            project_id=project_id,
+        )
+        try:
+            await self._store.insert_key(record)
+        except Conflict:
+            found = await self._store.find_key_by_hash(hash_key(secret))
+            if found is not None:
+                return secret, found
+        return secret, record
 
     async def _hash(self, password: str) -> str:
         return await trio.to_thread.run_sync(hash_password, password, limiter=_HASH_LIMITER)

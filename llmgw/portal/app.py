@@ -38,9 +38,11 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from llmgw import errors
+from llmgw.accounting.accountant import Accountant
 from llmgw.admin.keys import KeysService
 from llmgw.admin.people import membership_target, person_view
 from llmgw.auth.people import CHAT_KEY_NAME, STAFF_ROLES, People, SignedIn
+from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster
 from llmgw.store import KeyRecord, Membership, ProjectPath, Store
 
@@ -89,12 +91,18 @@ def make_portal_app(
     keys: KeysService,
     *,
     admin_listener: bool = False,
+    resolver: ScopeResolver | None = None,
+    accountant: Accountant | None = None,
 ) -> QuartTrio:
     """The pages over ``store`` and ``cluster``.
 
     Args:
         admin_listener: served on the admin listener: ``/`` leads to
             ``/admin`` and the person's pages are not linked.
+        resolver, accountant: the gateway's own: the Chat, Models and
+            Connect pages list only the models the session's chat key may
+            call (:meth:`Accountant.allowed` along the key's path). Without
+            them (tests of other things), every model is listed.
     """
     app = QuartTrio("llmgw.portal", static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = 64 * 1024
@@ -316,15 +324,29 @@ def make_portal_app(
             managed=[p for p in tree if any(_covers(m, p) and m.role == "manager" for m in mine)],
         )
 
-    def usable_models(signed: SignedIn) -> list[Any]:
-        return sorted(cluster.models.values(), key=lambda m: m.name)
+    async def chat_key(signed: SignedIn) -> tuple[str, KeyRecord]:
+        """The session's chat key: in the first project (by path) the person
+        is a member of, else personal."""
+        member = (await scopes(signed)).member
+        first = min(member, key=lambda p: p.path).project.id if member else None
+        return await people.ensure_chat_key(signed, g.token, first)
+
+    async def usable_models(signed: SignedIn) -> list[Any]:
+        """The catalog's models the session's chat key may call, as the
+        gateway decides it (the models lists along the key's path)."""
+        models = sorted(cluster.models.values(), key=lambda m: m.name)
+        if resolver is None or accountant is None:
+            return models
+        _, record = await chat_key(signed)
+        path, _ = await resolver.path(record)
+        return [m for m in models if accountant.allowed(path, m.name)]
 
     @app.get("/portal/chat")
     async def chat() -> Any:
         signed = await signed_in()
-        key = await people.ensure_chat_key(signed, g.token)
+        key, _ = await chat_key(signed)
         models = [
-            {"name": m.name, "max_output": m.max_output_tokens} for m in usable_models(signed)
+            {"name": m.name, "max_output": m.max_output_tokens} for m in await usable_models(signed)
         ]
         return await page("chat.html", "Chat", chat_key=key, models=models)
 
@@ -410,7 +432,7 @@ def make_portal_app(
         base = cluster.settings.portal.external_url.rstrip("/") or (
             f"{request.scheme}://{request.host}"
         )
-        models = usable_models(g.signed)
+        models = await usable_models(g.signed)
         model = models[0].name if models else "MODEL"
         return await page(
             "connect.html",
@@ -496,7 +518,7 @@ def make_portal_app(
         signed = await signed_in()
         auth = cluster.settings.auth
         shown = []
-        for m in usable_models(signed):
+        for m in await usable_models(signed):
             price = auth.pricing.get(m.name, auth.default_price)
             ready = len(cluster.ready_endpoints(m.name))
             shown.append(

@@ -103,7 +103,7 @@ async def test_sign_in_sessions_and_their_end(admin: Admin) -> None:
     assert people.check_csrf(token, people.csrf_token(token))
     assert not people.check_csrf(token, "")
     assert not people.check_csrf(token, people.csrf_token(token + "x"))
-    chat = await people.ensure_chat_key(signed, token)
+    chat, _ = await people.ensure_chat_key(signed, token)
     await people.set_state(person.id, "suspended")
     assert await people.session(token) is None
     chat_key = await admin.store.find_key_by_hash(hash_key(chat))

@@ -14,15 +14,18 @@ import attrs
 import pytest
 from quart_trio import QuartTrio
 
+from llmgw.accounting.accountant import Accountant, ModelNotAllowed
+from llmgw.accounting.prices import PriceBook
 from llmgw.admin.keys import KeysService
-from llmgw.auth.keys import KeyAuthenticator
+from llmgw.auth.keys import KeyAuthenticator, hash_key
 from llmgw.auth.people import People
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster
 from llmgw.portal.app import make_portal_app
 from llmgw.portal.assets import ASSETS, asset_url
 from llmgw.settings import AuthSettings
-from llmgw.store import Store, open_sqlite_store
+from llmgw.store import Membership, ModelRecord, Store, open_sqlite_store
+from llmgw.store.records import Limits
 
 
 @attrs.define
@@ -30,6 +33,7 @@ class Site:
     app: QuartTrio
     store: Store
     people: People
+    cluster: Cluster
 
     def client(self) -> Any:
         return self.app.test_client()
@@ -49,7 +53,15 @@ async def site(tmp_path: Path) -> AsyncIterator[Site]:
             bands=lambda: [band.name for band in cluster.settings.router.admission.bands],
         )
         people = People(store, b"p" * 32, authenticator)
-        yield Site(make_portal_app(store, cluster, people, keys), store, people)
+        app = make_portal_app(
+            store,
+            cluster,
+            people,
+            keys,
+            resolver=ScopeResolver(store, cache_ttl_s=0.0),
+            accountant=Accountant(PriceBook({})),
+        )
+        yield Site(app, store, people, cluster)
 
 
 def _hidden(text: str, name: str = "csrf") -> str:
@@ -195,3 +207,44 @@ async def test_sign_in_never_sends_the_browser_to_another_site(site: Site, targe
     )
     assert signed.status_code == 303
     assert signed.headers["location"] == "/portal/chat"
+
+
+async def test_chat_and_models_list_only_the_models_the_chat_key_may_call(site: Site) -> None:
+    """The project's models list (set at the org here) leaves ``other`` out:
+    the pages do not list it and the session's chat key (in that project)
+    is refused it by the gateway's own check."""
+    site.cluster.replace_catalog(
+        {n: ModelRecord.simple(n, "sim") for n in ("allowed-model", "other-model")}
+    )
+    path, _ = await site.store.ensure_project("Acme", "ml", "train", now=1.0)
+    assert await site.store.set_limits("org", path.org.id, Limits(models=("allowed-model",)))
+    person, _ = await site.people.join("ada@example.com", password="ada password")
+    client = site.client()
+    await _sign_in(client, "ada@example.com", "ada password")
+
+    # Not yet a member: the chat key is personal, with no models list.
+    # (A fresh sign-in below gives a fresh session and chat key.)
+    before = await (await client.get("/portal/models")).get_data(as_text=True)
+    assert "allowed-model" in before
+    assert "other-model" in before
+
+    await site.store.put_membership(
+        Membership(person_id=person.id, scope="project", scope_id=path.project.id)
+    )
+    client = site.client()
+    await _sign_in(client, "ada@example.com", "ada password")
+    for page in ("/portal/chat", "/portal/models", "/portal/connect"):
+        text = await (await client.get(page)).get_data(as_text=True)
+        assert "allowed-model" in text, page
+        assert "other-model" not in text, page
+    chat = await (await client.get("/portal/chat")).get_data(as_text=True)
+    found = re.search(r'data-key="([^"]+)"', chat)
+    assert found is not None
+    record = await site.store.find_key_by_hash(hash_key(found.group(1)))
+    assert record is not None
+    assert record.project_id == path.project.id
+    levels, _ = await ScopeResolver(site.store).path(record)
+    accountant = Accountant(PriceBook({}))
+    assert accountant.allowed(levels, "allowed-model")
+    with pytest.raises(ModelNotAllowed):
+        accountant.check(levels, "other-model", 10, now=1.0)

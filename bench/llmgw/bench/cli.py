@@ -212,12 +212,13 @@ def guard_command(seconds: float, as_json: bool) -> None:
 @click.option("--model", required=True, help="The model name the engine serves.")
 @click.option(
     "--mode",
-    type=click.Choice(["bare", "accounted", "unguarded", "observe"]),
+    type=click.Choice(["bare", "accounted", "unguarded", "observe", "portal"]),
     default="accounted",
     show_default=True,
     help="bare: the key checked, no accounting; accounted: limits, budgets and usage rows"
     " too, and the baseline guard; unguarded: accounted with the guard off; observe:"
-    " accounted under the observe guard policy.",
+    " accounted under the observe guard policy; portal: accounted behind the pages'"
+    " prefix dispatch, as on llmgw up's client port.",
 )
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT.")
 @click.option(

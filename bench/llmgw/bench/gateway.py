@@ -15,7 +15,10 @@ instead of a reconciler and agents. Modes (figures in ``docs/performance.md``,
   default ``baseline`` policy, as on ``llmgw up``;
 - ``unguarded``: ``accounted`` with the guard off (``guard.enabled: false``);
 - ``observe``: ``accounted`` with the ``observe`` policy on both directions
-  instead of ``baseline`` (every pattern recorded, nothing held back).
+  instead of ``baseline`` (every pattern recorded, nothing held back);
+- ``portal``: ``accounted`` behind the pages' prefix dispatch, as the client
+  port of ``llmgw up`` serves it (:func:`llmgw.app.pages.with_pages` with the
+  portal's app beside the gateway): what the pages add to ``/v1``.
 
 On start it prints one JSON line to stdout: ``{"listen": "HOST:PORT",
 "key": "sk-llmgw-…", "pid": N}``; it runs until SIGTERM or SIGINT.
@@ -39,20 +42,24 @@ from llmgw.accounting.accountant import Accountant
 from llmgw.accounting.journal import UsageJournal, serve_journal_committer
 from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
+from llmgw.admin.keys import KeysService
+from llmgw.app.pages import App, with_pages
 from llmgw.auth.keys import KeyAuthenticator, new_key
+from llmgw.auth.people import People
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.server import serve_http1
 from llmgw.guard import Guards
+from llmgw.portal.app import make_portal_app
 from llmgw.router.endpoint import Endpoint
-from llmgw.settings import Price, settings_from_doc
-from llmgw.store import ModelRecord, open_store
+from llmgw.settings import AuthSettings, Price, settings_from_doc
+from llmgw.store import ModelRecord, Store, open_store
 from llmgw.store.records import Limits
 
 __all__ = ["MODES", "run_bench_gateway"]
 
-MODES: Final = ("bare", "accounted", "unguarded", "observe")
+MODES: Final = ("bare", "accounted", "unguarded", "observe", "portal")
 #: The ``guard`` settings of the modes that set them.
 _GUARD: Final = {"unguarded": {"enabled": False}, "observe": {"default": ["observe"]}}
 #: A price for the benchmark's model, so costs and budgets are computed.
@@ -149,7 +156,10 @@ async def run_bench_gateway(
                 await nursery.start(serve_journal_committer, journal)
                 await nursery.start(serve_usage_writer, usage, store)
             async with trio.open_nursery() as listeners:
-                address = await listeners.start(serve_http1, gateway, listen, stop, 2.0)
+                served: App = gateway
+                if mode == "portal":
+                    served = _with_portal(gateway, store, cluster)
+                address = await listeners.start(serve_http1, served, listen, stop, 2.0)
                 print(
                     json.dumps({"listen": address, "key": secret, "pid": os.getpid()}), flush=True
                 )
@@ -157,6 +167,15 @@ async def run_bench_gateway(
             # writer flushes as it is cancelled.
             nursery.cancel_scope.cancel()
         await gateway.aclose()
+
+
+def _with_portal(gateway: Gateway, store: Store, cluster: Cluster) -> App:
+    """``gateway`` behind the pages' dispatch, as ``llmgw up``'s client port."""
+    authenticator = KeyAuthenticator(store)
+    resolver = ScopeResolver(store)
+    keys = KeysService(store, authenticator, resolver, AuthSettings(), bands=lambda: [])
+    people = People(store, os.urandom(32), authenticator)
+    return with_pages(gateway, make_portal_app(store, cluster, people, keys))
 
 
 async def _stop_on_signal(stop: trio.Event) -> None:
