@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from llmgw.admin.views import leadership_view
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
 from llmgw.auth.admin_token import fingerprint
 from llmgw.auth.keys import new_key
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo, engine_key
+from llmgw.control.leader_record import LeaderRecord, LeaderView
 from llmgw.control.model_ops import change_context, purge_weights
 from llmgw.store import Lease, ModelRecord, NodeCertificate, Profile
 
@@ -631,3 +633,20 @@ async def test_a_replica_shows_its_engine_pid_while_it_runs(admin: Admin) -> Non
     failed = protocol.ShardStatus(shard_id="m-0", replica_id="m-0", state=ShardState.FAILED)
     admin.cluster.shard_status(failed, "n1")
     assert await pid() == 0
+
+
+def test_a_standby_names_the_leader_from_its_record_in_the_store() -> None:
+    view = LeaderView("cp2:7:cd")
+    record = LeaderRecord(holder="cp1:42:ab", epoch=3, api="10.0.0.1:8080", since=1.7e9)
+    view.record = LeaderRecord.from_json(record.to_json())
+    assert leadership_view(Cluster(), view) == {
+        "holder": "cp1:42:ab",
+        "epoch": 3,
+        "since": 1.7e9,
+        "api": "10.0.0.1:8080",
+        "here": False,
+    }
+    # A record an older llmgw wrote has no `since`: not known.
+    older = {"holder": "cp1:42:ab", "epoch": 3, "api": "10.0.0.1:8080", "hubs": []}
+    view.record = LeaderRecord.from_json(older)
+    assert leadership_view(Cluster(), view)["since"] is None

@@ -213,7 +213,7 @@ def test_a_key_created_in_the_console_works_with_the_openai_client(up: Any) -> N
         await d.until(lambda: console.dialog is None, "the dialog to close")
         await d.panel_has("console-made")
         # Its own limit: one request a minute.
-        await d.select(lambda item: item and item["name"] == "console-made")
+        await d.select(lambda item: item and item.get("name") == "console-made")
         d.keys("l")
         await d.until(lambda: console.dialog is not None, "the limits form")
         d.keys("1\r\r")  # rpm 1, tpm as the project says
