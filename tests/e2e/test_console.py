@@ -375,7 +375,10 @@ def test_keys_show_last_use_replicas_their_pid_and_the_overview_the_store_and_le
 
     with _pipe() as pipe:
         asyncio.run(_run(_console(up, pipe), pipe, scenario))
-    # The CLI tables say the same.
+    # The CLI says the same: `ctl status`, `keys list`, `ctl replicas`.
+    status_text = up.cli("ctl", "status").stdout
+    assert f"store: sqlite {up.data_dir}" in status_text, status_text
+    assert re.search(r"leader lease: \S+ \(this control plane\), since 20\d\d-", status_text)
     keys_table = up.cli("keys", "list")
     header, *rows = keys_table.stdout.splitlines()
     assert "LAST USE" in header
