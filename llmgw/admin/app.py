@@ -43,6 +43,7 @@ from llmgw.auth.keys import KEY_PREFIX, KeyRefused
 from llmgw.auth.people import People
 from llmgw.control.cluster import Cluster
 from llmgw.control.join import JoinService
+from llmgw.control.leader_record import LeaderView
 from llmgw.control.live import LiveSettings
 from llmgw.store import Store
 
@@ -74,6 +75,7 @@ def make_admin_app(
     join: JoinService | None = None,
     people: People | None = None,
     leader_hint: Callable[[], str] | None = None,
+    leader_view: LeaderView | None = None,
 ) -> QuartTrio:
     """The admin API application over ``store`` and ``cluster``.
 
@@ -93,6 +95,9 @@ def make_admin_app(
             every change (POST, PUT, PATCH, DELETE) is refused with 503
             ``not_leader`` naming it; reads are answered from the store.
             ``None``: one control plane (``llmgw up``), nothing refused.
+        leader_view: the leader's record as this control plane knows it,
+            for ``GET /api/v1/status``'s ``leadership`` (its own lease when
+            it leads is used without it).
     """
     app = QuartTrio("llmgw.admin")
     if live is None:
@@ -124,7 +129,7 @@ def make_admin_app(
     add_key_routes(app, keys_service)
     add_usage_routes(app, store, keys_service)
     add_config_routes(app, store, live)
-    add_system_routes(app, cluster, live)
+    add_system_routes(app, cluster, live, store=store, leader_view=leader_view)
     add_model_routes(app, store, cluster, data_dir=data_dir)
     add_node_routes(app, cluster, live, store)
     add_join_code_routes(app, join)

@@ -320,7 +320,11 @@ class KeysService:
     async def list_keys(self) -> list[dict[str, Any]]:
         """Every key's view, revoked ones too (never a secret)."""
         paths = {p.project.id: p for p in await self._store.list_tree()}
-        return [key_view(k, paths.get(k.project_id or "")) for k in await self._store.list_keys()]
+        last_used = await self._store.keys_last_used()
+        return [
+            key_view(k, paths.get(k.project_id or ""), last_used=last_used.get(k.id))
+            for k in await self._store.list_keys()
+        ]
 
     async def tree(self) -> list[dict[str, Any]]:
         """Every project: ``{"path", "project_id", "limits": {"org", "team",

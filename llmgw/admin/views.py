@@ -16,7 +16,8 @@ GB):
   "failures", "wanted", "retiring", "stale", "compute", "profile",
   "fingerprint", "progress", "started_at", "ready_at", "download"}``
   (``download``: ``{"done_bytes", "total_bytes", "rate_bytes_per_s",
-  "phase"}`` while its node fetches the weights, else null), plus
+  "phase"}`` while its node fetches the weights, else null), ``"pid"``
+  (the engine's process id on its node, 0 when none runs), plus
   ``"engine_key"`` when asked for;
 - node (:func:`node_view`): ``{"node_id", "address", "connected",
   "agent_version", "last_seen", "cpu_count", "memory_total_mb",
@@ -29,7 +30,9 @@ GB):
   {"wanted", "ready", "starting", "failed"}, "waiting": {replica id: why it
   is not placed}, "downloads": [weights fetches under way]}``;
 - key (:func:`key_view`): ``{"id", "name", "prefix", "project", "person",
-  "band", "created_at", "is_admin", "revoked_at", "expires_at", "limits"}``;
+  "band", "created_at", "is_admin", "revoked_at", "expires_at", "limits",
+  "last_used_at"}`` (``last_used_at``: UTC epoch s of its last use, null
+  when never used);
   limits (:func:`limits_view`): ``{"rpm", "tpm", "budget_day",
   "budget_month", "models"}``, budgets as decimal strings;
 - usage rows and summaries: every field of
@@ -40,7 +43,9 @@ GB):
   [{"replica_id", "model", "node_id", "port", "state", "reason",
   "failures", "last_lines", "download"}], "models": [names], "model_replicas":
   [{"name", "wanted", "ready", "starting", "failed", "stopped",
-  "external"}], "serving": {"stopped"}, "settings_version"}``.
+  "external"}], "serving": {"stopped"}, "settings_version"}``, to which
+  the route adds ``"store"`` (:func:`store_view`) and ``"leadership"``
+  (:func:`leadership_view`).
 """
 
 from __future__ import annotations
@@ -56,9 +61,10 @@ from cattrs.gen import make_dict_unstructure_fn, override
 
 from llmgw.agent.protocol import Gpu, ShardState
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo, engine_key
+from llmgw.control.leader_record import LeaderView
 from llmgw.control.placement import gpu_class_of, node_room
 from llmgw.control.reconciler import wanted_replicas
-from llmgw.store import GuardEvent, KeyRecord, ModelRecord, UsageRow, model_to_doc
+from llmgw.store import GuardEvent, KeyRecord, ModelRecord, Store, UsageRow, model_to_doc
 from llmgw.store.records import Limits, ProjectPath, UsageSummary
 
 __all__ = [
@@ -123,7 +129,7 @@ _register(
     (
         "replica_id", "shard_id", "model", "node_id", "port", "state", "reason", "last_lines",
         "restarts", "failures", "retiring", "stale", "compute", "profile", "fingerprint",
-        "progress", "started_at", "ready_at", "download",
+        "progress", "started_at", "ready_at", "download", "pid",
     ),
 )  # fmt: skip
 _register(
@@ -267,10 +273,15 @@ def limits_view(limits: Limits) -> dict[str, Any]:
     return view
 
 
-def key_view(key: KeyRecord, path: ProjectPath | None) -> dict[str, Any]:
-    """A key (never its secret or hash) and the project it belongs to."""
+def key_view(
+    key: KeyRecord, path: ProjectPath | None, *, last_used: float | None = None
+) -> dict[str, Any]:
+    """A key (never its secret or hash) and the project it belongs to;
+    ``last_used_at`` is ``last_used`` (from
+    :meth:`~llmgw.store.Store.keys_last_used`) or else the stored last use."""
     view: dict[str, Any] = _converter.unstructure(key)
     view["project"] = path.path if path is not None else None
+    view["last_used_at"] = last_used if last_used is not None else key.last_used_at
     return view
 
 
@@ -319,4 +330,45 @@ def status_view(cluster: Cluster, settings_version: int) -> dict[str, Any]:
         ],
         "serving": {"stopped": cluster.settings.serving.stopped},
         "settings_version": settings_version,
+    }
+
+
+def store_view(store: Store | None) -> dict[str, Any] | None:
+    """Which store this control plane uses: ``{"kind": "sqlite", "address":
+    path}`` or ``{"kind": "postgresql", "address": hosts, ports and database,
+    never a password}``; ``None`` when not known."""
+    if store is None:
+        return None
+    where = getattr(store, "where", None)
+    if isinstance(where, str):
+        return {"kind": "postgresql", "address": where}
+    path = getattr(store, "path", None)
+    if path is not None:
+        return {"kind": "sqlite", "address": str(path)}
+    return {"kind": type(store).__name__, "address": ""}
+
+
+def leadership_view(cluster: Cluster, view: LeaderView | None) -> dict[str, Any]:
+    """Who leads: ``{"holder", "epoch", "since" (UTC epoch s), "api" (its
+    client API ``host:port``), "here" (this control plane)}``; this
+    control plane's own lease while it leads, else the leader's record last
+    read from the store; nulls when no leader is known."""
+    lease = cluster.lease
+    if cluster.is_leader and lease is not None:
+        return {
+            "holder": lease.holder,
+            "epoch": lease.epoch,
+            "since": cluster.leading_since,
+            "api": (view.own_api or None) if view is not None else None,
+            "here": True,
+        }
+    record = view.record if view is not None else None
+    if record is None:
+        return {"holder": None, "epoch": None, "since": None, "api": None, "here": False}
+    return {
+        "holder": record.holder,
+        "epoch": record.epoch,
+        "since": record.since or None,
+        "api": record.api or None,
+        "here": record.holder == view.holder if view is not None else False,
     }

@@ -219,6 +219,7 @@ async def serve_control_plane(
         people=people,
         # Several control planes of one store: changes on the leader only.
         leader_hint=leader_view.describe if config.join_listen is not None else None,
+        leader_view=leader_view,
     )
     metrics_app = with_lifespan(make_asgi_app(registry=metrics.REGISTRY))
     # The portal and the admin pages (docs/portal.md): one prefix dispatch in

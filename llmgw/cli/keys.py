@@ -15,6 +15,7 @@ from llmgw.admin.client import AdminClient
 from llmgw.auth.admin_token import ADMIN_TOKEN_FILE, fingerprint, rotate_admin_token
 
 from .options import (
+    ago,
     data_dir_option,
     format_table,
     json_option,
@@ -277,11 +278,12 @@ def keys_list(data_dir: Path, as_json: bool) -> None:
                 state,
                 local_time(key.get("created_at"))[:16],
                 local_time(key.get("expires_at"))[:16],
+                ago(key.get("last_used_at")) if key.get("last_used_at") else "never",
             ]
         )
     zone = local_zone()
     headers = ["ID", "PREFIX", "NAME", "PROJECT", "OWNER", "BAND", "STATE"]
-    click.echo(format_table([*headers, f"CREATED ({zone})", f"EXPIRES ({zone})"], rows))
+    click.echo(format_table([*headers, f"CREATED ({zone})", f"EXPIRES ({zone})", "LAST USE"], rows))
 
 
 @keys.command("revoke")

@@ -102,6 +102,14 @@ def ctl_nodes_remove(node: str, data_dir: Path, as_json: bool) -> None:
     )
 
 
+def _uptime(rep: dict[str, Any]) -> str:
+    """How long a replica's engine has run (since its latest start), as
+    ``42s``, ``5m``, ``3h``, ``2d``; ``-`` for none."""
+    if not rep.get("started_at") or rep.get("state") not in ("STARTING", "READY"):
+        return "-"
+    return ago(rep["started_at"]).removesuffix(" ago")
+
+
 def print_replicas(replicas: list[dict[str, Any]]) -> None:
     rows = []
     reasons = []
@@ -119,7 +127,9 @@ def print_replicas(replicas: list[dict[str, Any]]) -> None:
                 rep["model"],
                 rep["node_id"],
                 rep["port"],
+                rep.get("pid") or "-",
                 state,
+                _uptime(rep),
                 rep.get("restarts", 0),
                 rep.get("compute") or "-",
                 rep.get("profile") or "-",
@@ -136,7 +146,9 @@ def print_replicas(replicas: list[dict[str, Any]]) -> None:
                 "MODEL",
                 "NODE",
                 "PORT",
+                "PID",
                 "STATE",
+                "UP",
                 "RESTARTS",
                 "ON",
                 "PROFILE",

@@ -10,7 +10,7 @@ import click
 
 from llmgw.admin.client import AdminClient
 
-from .options import data_dir_option, json_option, print_json
+from .options import data_dir_option, json_option, local_time, print_json
 
 __all__ = ["ctl_status", "print_status", "start", "status", "stop"]
 
@@ -55,6 +55,13 @@ def print_status(doc: dict[str, Any]) -> None:
     else:
         click.echo("serving: yes")
     click.echo(f"leader: {'yes' if doc['leader'] else 'no'}")
+    lead = doc.get("leadership") or {}
+    if lead.get("holder"):
+        since = f", since {local_time(lead['since'], zone=True)}" if lead.get("since") else ""
+        where = "this control plane" if lead.get("here") else (lead.get("api") or "elsewhere")
+        click.echo(f"leader lease: {lead['holder']} ({where}){since}")
+    if doc.get("store"):
+        click.echo(f"store: {doc['store']['kind']} {doc['store']['address']}".rstrip())
     for node in doc["nodes"]:
         link = "connected" if node["connected"] else "DISCONNECTED"
         click.echo(

@@ -188,6 +188,9 @@ class ShardInfo:
     #: The node's weights fetch for it while STARTING (bytes done, total,
     #: rate; phase ``downloading`` or ``checking``); None otherwise.
     download: protocol.DownloadProgress | None = None
+    #: The engine's process id on its node as last reported; 0 = none runs
+    #: (or the agent does not say).
+    pid: int = 0
 
     @property
     def wanted(self) -> bool:
@@ -398,6 +401,7 @@ class Cluster:
         if leading and not self._is_leader:
             self._settle_until = time.monotonic() + settle_s
             self._lease = lease
+            self.leading_since = self.now()
         if not leading:
             self._lease = None
         self._is_leader = leading
@@ -640,6 +644,7 @@ class Cluster:
             ready_at=now if running.state is ShardState.READY else None,
             last_used_at=self._last_used.get(running.model, 0.0),
             adopted=True,
+            pid=running.pid,
         )
         model = self._models.get(running.model)
         if model is not None and running.fingerprint:
@@ -732,6 +737,8 @@ class Cluster:
             shard.progress = status.progress
             shard.progress_at = self.now()
         shard.download = status.download if status.state is ShardState.STARTING else None
+        if status.pid or status.state not in (ShardState.STARTING, ShardState.READY):
+            shard.pid = status.pid
         if status.state is ShardState.STARTING and shard.state is ShardState.READY:
             # Its engine stopped answering (the reason says so): out of
             # routing now; the start deadline counts from here.
@@ -995,3 +1002,7 @@ class Cluster:
         replaced whole), and wake the reconciler."""
         self.replace_catalog({k: v for k, v in self._models.items() if k != name})
         self.poke()
+
+    #: When this control plane last came to lead (:meth:`now`'s clock);
+    #: ``None`` before it ever led.
+    leading_since: float | None = None

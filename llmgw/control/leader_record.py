@@ -13,6 +13,7 @@ refuses). Standbys read it every :data:`READ_INTERVAL_S`
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Final, NoReturn
 
 import attrs
@@ -41,12 +42,15 @@ class LeaderRecord:
         epoch: the lease epoch it was written under.
         api: the client API's ``host:port`` other control planes reach.
         hubs: the agent hubs' ``wss://`` URLs.
+        since: when it came to lead (UTC epoch s); 0 when not known (a
+            record of an older llmgw).
     """
 
     holder: str
     epoch: int
     api: str
     hubs: tuple[str, ...] = ()
+    since: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +58,7 @@ class LeaderRecord:
             "epoch": self.epoch,
             "api": self.api,
             "hubs": list(self.hubs),
+            "since": self.since,
         }
 
     @classmethod
@@ -65,6 +70,7 @@ class LeaderRecord:
                 epoch=int(doc["epoch"]),
                 api=str(doc["api"]),
                 hubs=tuple(str(u) for u in doc.get("hubs", ())),
+                since=float(doc.get("since", 0.0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
@@ -130,7 +136,11 @@ class LeaderView:
         """
         await self._addresses_known.wait()
         record = LeaderRecord(
-            holder=self.holder, epoch=lease.epoch, api=self.own_api, hubs=self.own_hubs
+            holder=self.holder,
+            epoch=lease.epoch,
+            api=self.own_api,
+            hubs=self.own_hubs,
+            since=time.time(),
         )
         await store.put_setting(LEADER_KEY, record.to_json(), fence=lease)
         self.record = record

@@ -3,18 +3,21 @@ quart's test client, over a real SQLite store and an in-memory cluster."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from llmgw.admin.views import leadership_view
 from llmgw.agent import protocol
 from llmgw.agent.protocol import ShardState
 from llmgw.auth.admin_token import fingerprint
 from llmgw.auth.keys import new_key
 from llmgw.control.cluster import Cluster, NodeInfo, ShardInfo, engine_key
+from llmgw.control.leader_record import LeaderRecord, LeaderView
 from llmgw.control.model_ops import change_context, purge_weights
-from llmgw.store import ModelRecord, NodeCertificate, Profile
+from llmgw.store import Lease, ModelRecord, NodeCertificate, Profile
 
 if TYPE_CHECKING:
     from tests.admin.conftest import Admin
@@ -590,3 +593,60 @@ async def test_removing_a_node_again_is_not_found(admin: Admin) -> None:
     status, body = await admin.call("DELETE", "/api/v1/nodes/gone")
     assert status == 404, body
     assert body["error"]["code"] == "node_not_found"
+
+
+async def test_status_names_the_store_without_a_password_and_the_leader(admin: Admin) -> None:
+    status, body = await admin.call("GET", "/api/v1/status")
+    assert status == 200
+    assert body["store"] == {"kind": "sqlite", "address": str(admin.data_dir / "llmgw.db")}
+    assert body["leadership"] == {
+        "holder": None,
+        "epoch": None,
+        "since": None,
+        "api": None,
+        "here": False,
+    }
+    admin.cluster.set_leader(
+        True, lease=Lease(name="leader", holder="cp1:42:ab", epoch=3, expires_at=1e12)
+    )
+    status, body = await admin.call("GET", "/api/v1/status")
+    lead = body["leadership"]
+    assert (lead["holder"], lead["epoch"], lead["here"]) == ("cp1:42:ab", 3, True)
+    assert lead["since"] == pytest.approx(time.time(), abs=60)
+
+
+async def test_a_replica_shows_its_engine_pid_while_it_runs(admin: Admin) -> None:
+    add_node(admin.cluster)
+    admin.cluster.put_model(ModelRecord.simple("m", "sim"))
+    add_shard(admin.cluster, "m-0", "m", ShardState.STARTING)
+
+    async def pid() -> int:
+        _, body = await admin.call("GET", "/api/v1/replicas")
+        [replica] = body["data"]
+        value: int = replica["pid"]
+        return value
+
+    assert await pid() == 0
+    ready = protocol.ShardStatus(shard_id="m-0", replica_id="m-0", state=ShardState.READY, pid=4242)
+    admin.cluster.shard_status(ready, "n1")
+    assert await pid() == 4242
+    failed = protocol.ShardStatus(shard_id="m-0", replica_id="m-0", state=ShardState.FAILED)
+    admin.cluster.shard_status(failed, "n1")
+    assert await pid() == 0
+
+
+def test_a_standby_names_the_leader_from_its_record_in_the_store() -> None:
+    view = LeaderView("cp2:7:cd")
+    record = LeaderRecord(holder="cp1:42:ab", epoch=3, api="10.0.0.1:8080", since=1.7e9)
+    view.record = LeaderRecord.from_json(record.to_json())
+    assert leadership_view(Cluster(), view) == {
+        "holder": "cp1:42:ab",
+        "epoch": 3,
+        "since": 1.7e9,
+        "api": "10.0.0.1:8080",
+        "here": False,
+    }
+    # A record an older llmgw wrote has no `since`: not known.
+    older = {"holder": "cp1:42:ab", "epoch": 3, "api": "10.0.0.1:8080", "hubs": []}
+    view.record = LeaderRecord.from_json(older)
+    assert leadership_view(Cluster(), view)["since"] is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import pytest
 
 from llmgw.admin.usage import parse_since
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 KEY_FIELDS = {
     "id", "name", "prefix", "project", "person", "band", "created_at", "is_admin",
-    "revoked_at", "expires_at", "limits",
+    "revoked_at", "expires_at", "limits", "last_used_at",
 }  # fmt: skip
 
 
@@ -340,3 +341,19 @@ async def test_a_default_band_that_names_no_band_is_refused_naming_the_bands(
         {"key": "router.admission.bands", "value": [{"name": "gold", "priority": 300}]},
     )
     assert status == 200
+
+
+async def test_each_key_shows_its_last_use_from_its_newest_usage_row(admin: Admin) -> None:
+    _, used = await admin.call("POST", "/api/v1/keys", {"name": "used"})
+    _, idle = await admin.call("POST", "/api/v1/keys", {"name": "idle"})
+    await admin.store.insert_usage(
+        [
+            attrs.evolve(_row("req_1", 1.7e9), key_id=used["id"]),
+            attrs.evolve(_row("req_2", 1.7e9 + 5), key_id=used["id"]),
+        ]
+    )
+    status, body = await admin.call("GET", "/api/v1/keys")
+    assert status == 200
+    last = {k["id"]: k["last_used_at"] for k in body["data"]}
+    assert last[used["id"]] == 1.7e9 + 5
+    assert last[idle["id"]] is None

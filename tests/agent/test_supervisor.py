@@ -306,10 +306,12 @@ async def test_killed_engine_fails_then_starts_again(script: Path) -> None:
         async with open_supervisor(script) as (sup, events):
             msg = start_msg("--lines", "80")
             await sup.start_shard(msg)
-            await expect(events, ShardState.STARTING, ShardState.READY)
+            _, ready = await expect(events, ShardState.STARTING, ShardState.READY)
             pid = pid_of(sup)
+            assert ready.pid == pid  # the status carries the engine's pid
             os.kill(pid, signal.SIGKILL)
             (failed,) = await expect(events, ShardState.FAILED)
+            assert failed.pid == 0
             assert "killed by signal 9" in failed.reason
             assert len(failed.last_lines) == 50
             assert f"listening on 127.0.0.1:{msg.port}" in failed.last_lines

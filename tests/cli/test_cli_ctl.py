@@ -337,7 +337,9 @@ async def test_nodes_replicas_and_cordons(running: Running) -> None:
         "-", "1",
     ]  # fmt: skip
     replicas = (await running.ok("ctl", "replicas")).splitlines()
-    assert replicas[1].split()[:7] == ["m-0", "m", "n1", "20001", "FAILED", "3", "CPU"]
+    # No engine runs for a failed replica: no pid, no uptime.
+    assert replicas[0].split()[:7] == ["REPLICA", "MODEL", "NODE", "PORT", "PID", "STATE", "UP"]
+    assert replicas[1].split()[:9] == ["m-0", "m", "n1", "20001", "-", "FAILED", "-", "3", "CPU"]
     assert replicas[-1] == "m-0: exit 1; last output: out of memory"
 
     assert "draining" in await running.ok("ctl", "drain", "n1")

@@ -8,10 +8,12 @@ from pathlib import Path
 from llmgw.console.format import date, duration, gib_from_mb, table
 from llmgw.console.screens import (
     flatten_settings,
+    render_keys,
     render_logs,
     render_manual,
     render_models,
     render_overview,
+    render_replicas,
     traffic,
 )
 
@@ -96,3 +98,84 @@ def test_manual_renders_a_page_as_text(tmp_path: Path) -> None:
     assert "See the docs." in text
     assert "    code" in text
     assert "```" not in text
+
+
+def test_keys_show_their_last_use_and_the_tree_lines_are_selectable() -> None:
+    now = 1_800_000_000.0
+    data = {
+        "keys": {
+            "data": [
+                {"id": "key_a", "name": "a", "limits": {}, "last_used_at": now - 125},
+                {"id": "key_b", "name": "b", "limits": {}, "last_used_at": None},
+            ]
+        },
+        "tree": {
+            "data": [
+                {
+                    "path": "Acme/ml/train",
+                    "project_id": "p1",
+                    "limits": {"org": {}, "team": {"budget_day": "5"}, "project": {}},
+                }
+            ]
+        },
+    }
+    panel = render_keys(data, now=now)
+    text = "\n".join("".join(t for _, t in line) for line in panel.lines)
+    assert "LAST USE" in text
+    [a] = [ln for ln in text.splitlines() if ln.startswith("key_a")]
+    [b] = [ln for ln in text.splitlines() if ln.startswith("key_b")]
+    assert "2m 05s ago" in a
+    assert "never" in b
+    assert "Acme/ml/train: defaults / budget_day 5 / defaults" in text
+    tree_items = [item for _, item in panel.items if item.get("tree")]
+    assert [t["path"] for t in tree_items] == ["Acme/ml/train"]
+
+
+def test_replicas_show_the_engine_pid_and_uptime_while_it_runs() -> None:
+    now = 1_800_000_000.0
+    common = {"node_id": "n1", "compute": "CPU", "port": 20001}
+    data = {
+        "replicas": {
+            "data": [
+                {
+                    **common,
+                    "replica_id": "m-0",
+                    "state": "READY",
+                    "pid": 4242,
+                    "started_at": now - 3725,
+                },
+                {
+                    **common,
+                    "replica_id": "m-1",
+                    "state": "FAILED",
+                    "pid": 0,
+                    "started_at": now - 10,
+                },
+            ]
+        }
+    }
+    lines = ["".join(t for _, t in line) for line in render_replicas(data, now).lines]
+    assert lines[0].split()[4:7] == ["PORT", "PID", "UP"]
+    assert "4242" in lines[1]
+    assert "1h 02m" in lines[1]
+    assert lines[2].split()[2:7] == ["FAILED", "CPU", "20001", "-", "-"]
+
+
+def test_the_overview_names_the_store_and_the_leader() -> None:
+    status = {
+        "leader": True,
+        "store": {"kind": "postgresql", "address": "db1:5432/llmgw"},
+        "leadership": {
+            "holder": "cp1:42:ab",
+            "epoch": 3,
+            "since": 1_800_000_000.0,
+            "api": None,
+            "here": True,
+        },
+    }
+    text = "\n".join("".join(t for _, t in ln) for ln in render_overview({"status": status}).lines)
+    assert "Store          postgresql db1:5432/llmgw" in text
+    assert "Leader         cp1:42:ab (this control plane) since 2027-" in text
+    status["leadership"] = {"holder": None, "epoch": None, "since": None, "api": None}
+    text = "\n".join("".join(t for _, t in ln) for ln in render_overview({"status": status}).lines)
+    assert "Leader         none known" in text

@@ -5,6 +5,8 @@ agent's status socket with the control plane stopped."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import shutil
 import signal
@@ -211,7 +213,7 @@ def test_a_key_created_in_the_console_works_with_the_openai_client(up: Any) -> N
         await d.until(lambda: console.dialog is None, "the dialog to close")
         await d.panel_has("console-made")
         # Its own limit: one request a minute.
-        await d.select(lambda item: item and item["name"] == "console-made")
+        await d.select(lambda item: item and item.get("name") == "console-made")
         d.keys("l")
         await d.until(lambda: console.dialog is not None, "the limits form")
         d.keys("1\r\r")  # rpm 1, tpm as the project says
@@ -301,6 +303,92 @@ def test_the_logs_screen_follows_an_engine_and_the_agent(up: Any) -> None:
 
     with _pipe() as pipe:
         asyncio.run(_run(_console(up, pipe), pipe, scenario))
+
+
+def test_keys_show_last_use_replicas_their_pid_and_the_overview_the_store_and_leader(
+    up: Any,
+) -> None:
+    listed = json.loads(up.cli("keys", "list", "--json").stdout)["data"]
+    # The key `llmgw up` made: the one whose prefix starts its secret.
+    [key] = [k for k in listed if up.client_key.startswith(k["prefix"])]
+    answer = up.openai_client(timeout=60).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert answer.choices[0].message.content
+    sent_at = time.time()
+    [replica] = [r for r in json.loads(up.cli("ctl", "replicas", "--json").stdout)["data"]
+                 if r["model"] == MODEL and r["state"] == "READY"]  # fmt: skip
+    os.kill(replica["pid"], 0)  # a real process: raises if there is none
+
+    async def scenario(d: Driver) -> None:
+        console = d.console
+        assert isinstance(console, Console)
+        text = await d.panel_has("Store          sqlite")
+        assert str(up.data_dir) in text
+        assert re.search(r"Leader         \S+ \(this control plane\) since 20\d\d-", text), text
+        d.keys(_screen("Replicas"))
+        await d.panel_has(" PID ")
+        await d.until(
+            lambda: any(
+                str(replica["pid"]) in line and replica["replica_id"] in line
+                for line in console.panel_text().splitlines()
+            ),
+            "the replica's line with its pid",
+        )
+        d.keys(_screen("Keys"))
+        await d.panel_has("LAST USE")
+
+        def key_used() -> bool:
+            views = (console.data.get("keys") or {}).get("data", [])
+            used = [v.get("last_used_at") for v in views if v["id"] == key["id"]]
+            return bool(used and used[0] and used[0] >= sent_at - 60)
+
+        await d.until(key_used, "the key's last use")  # usage rows are written in batches
+        [line] = [ln for ln in console.panel_text().splitlines() if ln.startswith(key["id"])]
+        assert " ago" in line, line
+        # The team's daily budget, from the project's line of the tree.
+        await d.select(lambda item: item and item.get("tree") and item["path"].count("/") == 2)
+        project = console.selected_item()
+        d.keys("l")
+        await d.until(lambda: console.dialog is not None, "the level's question")
+        d.keys("\x7f" * len("project") + "team\r")
+        await d.until(
+            lambda: console.dialog is not None and "team" in console.dialog.title,
+            "the team's limits form",
+        )
+        d.keys("\r\r1234.5\r\r")  # rpm, tpm as they are; budget_day; budget_month
+        await d.panel_has("budget_day 1234.5")
+        tree = (await console.client.call("GET", "/api/v1/tree"))["data"]
+        [mine] = [p for p in tree if p["path"] == project["path"]]
+        assert mine["limits"]["team"]["budget_day"] == "1234.5"
+        assert mine["limits"]["project"]["budget_day"] is None
+        # And cleared again from the same form (an empty field clears).
+        d.keys("l")
+        await d.until(lambda: console.dialog is not None, "the level's question")
+        d.keys("\x7f" * len("project") + "team\r")
+        await d.until(
+            lambda: console.dialog is not None and "team" in console.dialog.title,
+            "the team's limits form",
+        )
+        d.keys("\r\r" + "\x7f" * 10 + "\r\r")
+        await d.until(lambda: "budget_day 1234.5" not in console.panel_text(), "the budget cleared")
+
+    with _pipe() as pipe:
+        asyncio.run(_run(_console(up, pipe), pipe, scenario))
+    # The CLI says the same: `ctl status`, `keys list`, `ctl replicas`.
+    status_text = up.cli("ctl", "status").stdout
+    assert f"store: sqlite {up.data_dir}" in status_text, status_text
+    assert re.search(r"leader lease: \S+ \(this control plane\), since 20\d\d-", status_text)
+    keys_table = up.cli("keys", "list")
+    header, *rows = keys_table.stdout.splitlines()
+    assert "LAST USE" in header
+    [row] = [r for r in rows if r.startswith(key["id"])]
+    assert row.rstrip().endswith("ago"), row
+    replicas_table = up.cli("ctl", "replicas")
+    header, *rows = replicas_table.stdout.splitlines()
+    assert header.split()[3:6] == ["PORT", "PID", "STATE"], header
+    [row] = [r for r in rows if r.startswith(replica["replica_id"] + " ")]
+    assert row.split()[4] == str(replica["pid"]), row
 
 
 def _free_port() -> int:

@@ -911,3 +911,27 @@ async def test_a_usage_write_blocked_by_another_process_fails_in_bounded_time_th
         "team:team_a": 3,
         "org:org_a": 3,
     }
+
+
+async def test_keys_last_used_is_the_later_of_the_stored_use_and_the_newest_row(
+    store: Store,
+) -> None:
+    await store.insert_key(make_key(1))
+    await store.insert_key(make_key(2, last_used_at=T0 + 900.0))
+    await store.insert_key(make_key(3))
+    await store.insert_key(make_key(4, last_used_at=T0 + 50.0))
+    await store.insert_usage(
+        [
+            usage("r1", T0 + 100.0, key="key_1"),
+            usage("r2", T0 + 300.0, key="key_1"),
+            usage("r3", T0 + 200.0, key="key_1"),
+            usage("r4", T0 + 500.0, key="key_2"),
+            usage("r5", T0 + 400.0, key="key_4"),
+            usage("r6", T0 + 999.0, key="key_unknown"),
+        ]
+    )
+    assert await store.keys_last_used() == {
+        "key_1": T0 + 300.0,
+        "key_2": T0 + 900.0,
+        "key_4": T0 + 400.0,
+    }

@@ -318,6 +318,9 @@ class ShardStatus:
     #: The weights download of a STARTING shard (phase ``downloading`` or
     #: ``checking``); ``None`` otherwise.
     download: DownloadProgress | None = None
+    #: The engine's process id while it runs (its first process for a
+    #: multi-process shard); 0 when none runs (or an older agent).
+    pid: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -1091,6 +1091,7 @@ class Supervisor:
             correlation_id=correlation_id,
             compute=shard.compute,
             progress=progress,
+            pid=shard.procs[0].pid if shard.procs and shard.state in _ACTIVE else 0,
         )
 
     async def _emit(self, status: ShardStatus) -> None:

@@ -674,6 +674,9 @@ class Console:
         )
 
     async def revoke_key(self, key: dict[str, Any]) -> None:
+        if key.get("tree"):
+            self.notice = "v revokes a key: select a key's line"
+            return
         if await self.confirm(
             f"Revoke {key['name']}?", f"Refused at once.\n= llmgw keys revoke {key['id']}"
         ):
@@ -681,6 +684,9 @@ class Console:
             self.notice = f"{key['id']} revoked"
 
     async def rotate_key(self, key: dict[str, Any]) -> None:
+        if key.get("tree"):
+            self.notice = "o rotates a key: select a key's line"
+            return
         if await self.confirm(
             f"Rotate {key['name']}?",
             f"A new secret; the old one is refused.\n= llmgw keys rotate {key['id']}",
@@ -689,7 +695,11 @@ class Console:
             await self.message("The new secret (shown once)", f"{made['key']}\n\nCopy it now.")
 
     async def key_limits(self, key: dict[str, Any]) -> None:
-        """rpm and tpm of one key (empty: inherited from its project)."""
+        """rpm and tpm of one key (empty: inherited from its project); on a
+        project's line of the tree, the limits of one of its levels."""
+        if key.get("tree"):
+            await self.tree_limits(key)
+            return
         limits = key.get("limits") or {}
 
         def shown(value: Any) -> str:
@@ -713,6 +723,55 @@ class Console:
             return
         await self.client.call("PUT", f"/api/v1/limits/key/{_part(key['id'])}", json=body)
         self.notice = f"{key['id']}: limits set"
+
+    async def tree_limits(self, project: dict[str, Any]) -> None:
+        """The limits of the org, team or project of a project's line:
+        rpm, tpm, budgets per day and month (currency units); empty clears
+        one (the level above then decides)."""
+        path = str(project.get("path", ""))
+        parts = path.split("/")
+        got = await self.form(
+            f"Limits of {path}",
+            "Which level: org, team or project?",
+            [("level", "project")],
+        )
+        if got is None:
+            return
+        level = got[0].strip().lower()
+        if level not in _LEVELS:
+            await self.message("No such level", f"{level!r}: the levels are org, team, project.")
+            return
+        ident = "/".join(parts[: _LEVELS.index(level) + 1])
+        limits = (project.get("limits") or {}).get(level) or {}
+        fields = ("rpm", "tpm", "budget_day", "budget_month")
+        got = await self.form(
+            f"Limits of {level} {ident}",
+            "Empty: cleared (the level above decides).\n"
+            f"= llmgw keys limits --scope {level} --id {ident} --rpm N --tpm N "
+            "--budget X/day",
+            [(name, "" if limits.get(name) is None else str(limits[name])) for name in fields],
+        )
+        if got is None:
+            return
+        body: dict[str, Any] = {}
+        for name, text in zip(fields, got, strict=True):
+            text = text.strip()
+            if not text:
+                body[name] = None
+            elif name in ("rpm", "tpm"):
+                try:
+                    body[name] = int(text)
+                except ValueError:
+                    await self.message("Not a number", f"{name} is a whole number, or empty.")
+                    return
+            else:
+                body[name] = text
+        await self.client.call(
+            "PUT",
+            f"/api/v1/limits/{level}/{'/'.join(_part(p) for p in ident.split('/'))}",
+            json=body,
+        )
+        self.notice = f"{level} {ident}: limits set"
 
     async def edit_setting(self, path: str) -> None:
         doc = (self.data.get("config") or {}).get("document") or {}
@@ -1002,6 +1061,10 @@ class Console:
     def _panel_height(self) -> int:
         info = self._panel_window.render_info
         return info.window_height if info is not None else 10
+
+
+#: The levels of the tenancy tree, top first.
+_LEVELS: Final = ("org", "team", "project")
 
 
 def _part(name: str) -> str:

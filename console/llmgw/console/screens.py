@@ -90,7 +90,12 @@ SCREENS: Final = (
     ),
     ScreenInfo("3", "Nodes", "llmgw ctl nodes", "c cordon/uncordon  d drain  l logs"),
     ScreenInfo("4", "Replicas", "llmgw ctl replicas", "l logs of the replica"),
-    ScreenInfo("5", "Keys", "llmgw keys list", "c create  v revoke  o rotate  l limits  p period"),
+    ScreenInfo(
+        "5",
+        "Keys",
+        "llmgw keys list",
+        "c create  v revoke  o rotate  l limits (key, or org/team/project)  p period",
+    ),
     ScreenInfo("6", "Logs", "llmgw ctl logs NODE", "/ filter  f follow  [ ] source  n node"),
     ScreenInfo("7", "Settings", "llmgw ctl config", "Enter edit  h history"),
     ScreenInfo("8", "Manual", "llmgw docs", "Enter open  Esc list  PgUp/PgDn"),
@@ -140,6 +145,16 @@ def render_overview(data: dict[str, Any], now: float | None = None) -> Panel:
     by_state = ", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())) or "none"
     panel.add(f"Replicas       {by_state}")
     panel.add(f"Models         {len(models)}")
+    store = status.get("store") or {}
+    if store:
+        panel.add(f"Store          {store.get('kind', '?')} {store.get('address') or ''}".rstrip())
+    lead = status.get("leadership") or {}
+    if lead.get("holder"):
+        where = "this control plane" if lead.get("here") else (lead.get("api") or "elsewhere")
+        since = f" since {date(lead['since'])}" if lead.get("since") else ""
+        panel.add(f"Leader         {lead['holder']} ({where}){since}")
+    elif "leadership" in status:
+        panel.add("Leader         none known", "class:warning")
     t = traffic((data.get("usage") or {}).get("data", []), 300.0, now)
     ttft = "-" if t["ttft_p50_ms"] is None else f"{t['ttft_p50_ms']:.0f} ms"
     panel.add(
@@ -273,7 +288,7 @@ def render_replicas(data: dict[str, Any], now: float | None = None) -> Panel:
     views = (data.get("replicas") or {}).get("data", [])
     rows = []
     for r in views:
-        started = r.get("ready_at") or r.get("started_at")
+        started = r.get("started_at")
         rows.append(
             [
                 r.get("replica_id", ""),
@@ -281,11 +296,14 @@ def render_replicas(data: dict[str, Any], now: float | None = None) -> Panel:
                 r.get("state", "") + (f" {r['progress']}" if r.get("progress") else ""),
                 r.get("compute", ""),
                 r.get("port", ""),
-                duration(now - started) if started else "-",
+                r.get("pid") or "-",
+                duration(now - started) if started and r.get("state") in _RUNS else "-",
                 r.get("restarts", 0),
             ]
         )
-    panel.add_table(["REPLICA", "NODE", "STATE", "COMPUTE", "PORT", "UP", "RESTARTS"], rows, views)
+    panel.add_table(
+        ["REPLICA", "NODE", "STATE", "COMPUTE", "PORT", "PID", "UP", "RESTARTS"], rows, views
+    )
     for r in views:
         if r.get("reason"):
             style = "class:error" if r.get("state") == "FAILED" else "class:warning"
@@ -293,12 +311,19 @@ def render_replicas(data: dict[str, Any], now: float | None = None) -> Panel:
     return panel
 
 
+#: The states in which a replica's engine runs (its uptime is shown).
+_RUNS: Final = ("STARTING", "READY")
+
+
 # --- Keys -------------------------------------------------------------------------
 
 
-def render_keys(data: dict[str, Any], period: str = "24h") -> Panel:
+def render_keys(data: dict[str, Any], period: str = "24h", now: float | None = None) -> Panel:
     """``keys``, ``usage_by_key`` and ``tree`` → keys, usage over ``period``
-    and limits; items are key views."""
+    and limits; items are key views, then the projects of the tree
+    (``{"tree": True, "path", "project_id", "limits"}``), whose limits per
+    level are edited from there."""
+    now = now or time.time()
     panel = Panel()
     keys = (data.get("keys") or {}).get("data", [])
     usage = {u.get("group"): u for u in (data.get("usage_by_key") or {}).get("data", [])}
@@ -318,14 +343,18 @@ def render_keys(data: dict[str, Any], period: str = "24h") -> Panel:
                 state,
                 used.get("requests", 0),
                 _key_limits(key.get("limits") or {}),
+                ago(key.get("last_used_at"), now),
                 date(key.get("expires_at")),
             ]
         )
     panel.add_table(
-        ["ID", "NAME", "PROJECT", "OWNER", "BAND", "STATE", f"REQ {period}", "LIMITS", "EXPIRES"],
+        [
+            "ID", "NAME", "PROJECT", "OWNER", "BAND", "STATE", f"REQ {period}", "LIMITS",
+            "LAST USE", "EXPIRES",
+        ],
         rows,
         keys,
-    )
+    )  # fmt: skip
     panel.add("")
     panel.add(f"Usage by key over {period}", "class:header")
     sums = (data.get("usage_by_key") or {}).get("data", [])
@@ -358,7 +387,9 @@ def render_keys(data: dict[str, Any], period: str = "24h") -> Panel:
 
         panel.add(
             f"  {project.get('path')}: "
-            + " / ".join(short(limits.get(level, {})) for level in ("org", "team", "project"))
+            + " / ".join(short(limits.get(level, {})) for level in ("org", "team", "project")),
+            "",
+            {"tree": True, **project},
         )
     return panel
 

@@ -513,3 +513,10 @@ class Store(Protocol):
         the fields a page sums (ids, times, model, status, tokens, cost).
         ``ValueError`` when neither is named."""
         ...
+
+    async def keys_last_used(self) -> dict[str, float]:
+        """Each key's last use, ``{key id: UTC epoch s}``: the later of the
+        stored ``last_used_at`` and its newest usage row (found through the
+        ``(key_id, created_at)`` index, one seek per key); keys never used
+        are left out."""
+        ...

@@ -715,6 +715,17 @@ class PostgresStore(_people.PeopleMethods):
     async def _people(self, fn: Callable[..., _T], **kwargs: Any) -> _T:
         return await self._run(lambda conn: fn(_people.PgSql(conn), **kwargs))
 
+    async def keys_last_used(self) -> dict[str, float]:
+        """Each used key's last use; see :meth:`llmgw.store.Store.keys_last_used`."""
+        return await self._run(
+            lambda conn: _newest_uses(
+                [
+                    (r["id"], r["last_used_at"], r["newest"])
+                    for r in conn.execute(_KEYS_LAST_USED_SQL)
+                ]
+            )
+        )
+
 
 @contextlib.asynccontextmanager
 async def open_postgres_store(
@@ -1844,3 +1855,22 @@ def _list_guard_events(
     )
     rows = conn.execute(sql, (*params, last)).fetchall()
     return [GuardEvent(**dict(r)) for r in rows]
+
+
+#: Each key's stored last use and its newest usage row: one index seek per
+#: key (``usage_key_id`` on ``(key_id, created_at)``), never a usage scan.
+_KEYS_LAST_USED_SQL: Final = (
+    "SELECT k.id AS id, k.last_used_at AS last_used_at,"
+    " (SELECT MAX(u.created_at) FROM usage u WHERE u.key_id = k.id) AS newest FROM keys k"
+)
+
+
+def _newest_uses(rows: Sequence[Sequence[Any]]) -> dict[str, float]:
+    """``{key id: the later of its stored last use and newest usage row}``,
+    keys never used left out."""
+    out: dict[str, float] = {}
+    for key_id, stored, newest in rows:
+        times = [float(t) for t in (stored, newest) if t is not None]
+        if times:
+            out[str(key_id)] = max(times)
+    return out

@@ -655,6 +655,12 @@ class SqliteStore(_people.PeopleMethods):
     async def _people(self, fn: Callable[..., _T], **kwargs: Any) -> _T:
         return await self._run(lambda conn: fn(_people.SqliteSql(conn), **kwargs))
 
+    async def keys_last_used(self) -> dict[str, float]:
+        """Each used key's last use; see :meth:`llmgw.store.Store.keys_last_used`."""
+        return await self._run(
+            lambda conn: _newest_uses(conn.execute(_KEYS_LAST_USED_SQL).fetchall())
+        )
+
 
 @contextlib.asynccontextmanager
 async def open_sqlite_store(
@@ -1674,3 +1680,22 @@ def _list_guard_events(
         + " ORDER BY created_at DESC, id DESC LIMIT ?"
     )
     return [GuardEvent(**dict(r)) for r in _rows(conn, sql, (*params, last))]
+
+
+#: Each key's stored last use and its newest usage row: one index seek per
+#: key (``usage_key_id`` on ``(key_id, created_at)``), never a usage scan.
+_KEYS_LAST_USED_SQL: Final = (
+    "SELECT k.id AS id, k.last_used_at AS last_used_at,"
+    " (SELECT MAX(u.created_at) FROM usage u WHERE u.key_id = k.id) AS newest FROM keys k"
+)
+
+
+def _newest_uses(rows: Sequence[Sequence[Any]]) -> dict[str, float]:
+    """``{key id: the later of its stored last use and newest usage row}``,
+    keys never used left out."""
+    out: dict[str, float] = {}
+    for key_id, stored, newest in rows:
+        times = [float(t) for t in (stored, newest) if t is not None]
+        if times:
+            out[str(key_id)] = max(times)
+    return out
