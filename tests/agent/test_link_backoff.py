@@ -49,10 +49,6 @@ def _handlers() -> AgentHandlers:
     )
 
 
-# trio-websocket leaves the client socket of a link the server closed to the
-# garbage collector.
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_an_agent_refused_for_a_node_already_connected_backs_off(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -113,8 +109,6 @@ async def test_a_control_plane_not_there_is_a_warning_naming_the_socket_error(
     assert "HandshakeError" not in first.getMessage()
 
 
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_after_the_control_plane_said_it_stops_not_reaching_it_is_not_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -27,13 +27,6 @@ REGISTER = protocol.Register(
     hardware=protocol.Hardware(cpu_count=2, memory_total_mb=1024),
 )
 
-# trio-websocket leaves the client socket of a link the server closed to the
-# garbage collector: that ResourceWarning is the library's.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
-
 
 async def _register() -> protocol.Register:
     return REGISTER
@@ -207,23 +200,27 @@ async def _silent_websocket_server(
     *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Accepts one websocket handshake, then never reads again: no pongs."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    task_status.started(listeners[0].socket.getsockname()[1])
-    stream = await listeners[0].accept()
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += await stream.receive_some(4096)
-    key = next(
-        line.split(b":", 1)[1].strip()
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"sec-websocket-key:")
-    )
-    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-    await stream.send_all(
-        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
-    )
-    await trio.sleep_forever()
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with listener:
+        task_status.started(listener.socket.getsockname()[1])
+        stream = await listener.accept()
+    async with stream:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(4096)
+        key = next(
+            line.split(b":", 1)[1].strip()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"sec-websocket-key:")
+        )
+        accept = base64.b64encode(
+            hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest()
+        )
+        await stream.send_all(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
+        )
+        await trio.sleep_forever()
 
 
 async def test_a_peer_that_does_not_answer_pings_ends_the_link(
@@ -306,3 +303,27 @@ async def test_the_hub_logs_an_agent_that_stops_as_a_stop(
     assert record.levelno == logging.INFO
     assert record.getMessage().endswith("closed: the agent is stopping")
     gc.collect()
+
+
+async def test_a_link_the_control_plane_closes_leaves_no_socket_open() -> None:
+    """The agent closes its own socket when the control plane closed the
+    link first (trio-websocket 0.12 does not: the socket was left to the
+    garbage collector, a ResourceWarning in whatever test ran then)."""
+
+    async def close_after_register(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.get_message()
+        await ws.aclose(session.GOING_AWAY, "bye")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            url = await _serve(nursery, close_after_register)
+            async with session.connect(url, TOKEN, _register) as link:
+                stream = link._ws._stream
+                assert isinstance(stream, trio.SocketStream)
+                sock = stream.socket
+                assert sock.fileno() != -1
+                with pytest.raises(session.PeerStopping):
+                    await link.receive()
+            nursery.cancel_scope.cancel()
+    assert sock.fileno() == -1, "the agent's socket is still open"

@@ -402,21 +402,44 @@ async def connect(
             disconnect_timeout=DISCONNECT_TIMEOUT_S,
         )
     )
+    opened: trio_websocket.WebSocketConnection | None = None
     try:
-        async with opening as ws:
-            link = Link(ws, me="agent", peer="control plane", name=f"the control plane at {url}")
-            try:
-                await link.send(await register())
-                yield link
-            except BaseException as exc:
-                body_error = exc
-                raise
+        try:
+            async with opening as ws:
+                opened = ws
+                link = Link(
+                    ws, me="agent", peer="control plane", name=f"the control plane at {url}"
+                )
+                try:
+                    await link.send(await register())
+                    yield link
+                except BaseException as exc:
+                    body_error = exc
+                    raise
+        finally:
+            if opened is not None:
+                await _close_transport(opened)
     except _SOCKET_ERRORS as exc:
         if body_error is not None:
             # The body's own error says more than a failure to close after it
             # (a dead peer does not answer the closing handshake either).
             raise body_error from None
         raise _closed(exc, "control plane") from exc
+
+
+async def _close_transport(ws: trio_websocket.WebSocketConnection) -> None:
+    """Close the TCP (or TLS) stream under a client link that trio-websocket
+    has closed.
+
+    trio-websocket 0.12 never closes a client's stream when the control plane
+    closed the link first: its reader stops at the server's TCP close, and
+    ``aclose`` returns at once because the link already has a close reason.
+    The socket was then left to the garbage collector (an open file for as
+    long as the agent lives, and a ``ResourceWarning``). Closing a closed
+    stream again does nothing.
+    """
+    with trio.CancelScope(shield=True):
+        await trio.aclose_forcefully(ws._stream)
 
 
 class _ClosedAfterHandshake(trio.BrokenResourceError):
@@ -553,6 +576,8 @@ async def _open_tls(
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(DISCONNECT_TIMEOUT_S):
                         await ws.aclose()
+                    # Not closed by trio-websocket when the peer closed first.
+                    await _close_transport(ws)
                     nursery.cancel_scope.cancel()
     except* trio_websocket.ConnectionRejected as group:
         # The control plane answered the websocket handshake with an HTTP
