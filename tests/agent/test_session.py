@@ -7,6 +7,7 @@ import base64
 import gc
 import hashlib
 import logging
+import warnings
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -320,6 +321,7 @@ async def test_a_link_the_control_plane_closes_leaves_no_socket_open() -> None:
             url = await _serve(nursery, close_after_register)
             async with session.connect(url, TOKEN, _register) as link:
                 stream = link._ws._stream
+                stream = getattr(stream, "inner", stream)  # under session's watch
                 assert isinstance(stream, trio.SocketStream)
                 sock = stream.socket
                 assert sock.fileno() != -1
@@ -327,3 +329,27 @@ async def test_a_link_the_control_plane_closes_leaves_no_socket_open() -> None:
                     await link.receive()
             nursery.cancel_scope.cancel()
     assert sock.fileno() == -1, "the agent's socket is still open"
+
+
+async def test_a_refused_handshake_leaves_no_socket_open() -> None:
+    """A link the control plane refuses (HTTP 401) closes its socket
+    (trio-websocket's open_websocket_url left it to the garbage collector)."""
+
+    async def refuse(request: trio_websocket.WebSocketRequest) -> None:
+        await request.reject(401)
+
+    gc.collect()  # what earlier tests left, not this one's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                url = await _serve(nursery, refuse)
+                for _ in range(3):
+                    with pytest.raises(errors.LinkClosed, match="rejected with HTTP 401"):
+                        async with session.connect(url, TOKEN, _register):
+                            pass
+                nursery.cancel_scope.cancel()
+        gc.collect()
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    leaked = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not [text for text in leaked if f"raddr=('127.0.0.1', {port})" in text], leaked
