@@ -263,10 +263,6 @@ class FakeBandwidth:
     machine_gbps: float
 
 
-# trio-websocket 0.12 leaves the client socket of a link the server closed to
-# the garbage collector: that ResourceWarning is the library's, not the agent's.
-@pytest.mark.filterwarnings("ignore::ResourceWarning")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_the_agent_registers_adopted_shards_and_reports_bandwidth(
     tmp_path: Path, engines: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

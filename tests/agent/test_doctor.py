@@ -25,13 +25,6 @@ from llmgw.agent import doctor
 from llmgw.agent.doctor import CheckResult, ControlPlane, DoctorConfig
 from llmgw.agent.protocol import Gpu
 
-# Twice in loaded full runs (never alone, nor under a CPU hog here), a socket
-# of these tests' local servers or of httpx's client was reported collected
-# unclosed at a later garbage collection. doctor is a one-shot command, so a
-# socket left to the collector costs nothing; the doctor's own requests close
-# theirs (no keep-alive, httpx's timeouts). Not an error here, then.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-
 GB = 1_000_000_000
 
 

@@ -7,6 +7,7 @@ import base64
 import gc
 import hashlib
 import logging
+import warnings
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -26,13 +27,6 @@ REGISTER = protocol.Register(
     agent_version="test",
     hardware=protocol.Hardware(cpu_count=2, memory_total_mb=1024),
 )
-
-# trio-websocket leaves the client socket of a link the server closed to the
-# garbage collector: that ResourceWarning is the library's.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::ResourceWarning"),
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
 
 
 async def _register() -> protocol.Register:
@@ -207,23 +201,27 @@ async def _silent_websocket_server(
     *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Accepts one websocket handshake, then never reads again: no pongs."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    task_status.started(listeners[0].socket.getsockname()[1])
-    stream = await listeners[0].accept()
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += await stream.receive_some(4096)
-    key = next(
-        line.split(b":", 1)[1].strip()
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"sec-websocket-key:")
-    )
-    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-    await stream.send_all(
-        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
-    )
-    await trio.sleep_forever()
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with listener:
+        task_status.started(listener.socket.getsockname()[1])
+        stream = await listener.accept()
+    async with stream:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(4096)
+        key = next(
+            line.split(b":", 1)[1].strip()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"sec-websocket-key:")
+        )
+        accept = base64.b64encode(
+            hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest()
+        )
+        await stream.send_all(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n"
+        )
+        await trio.sleep_forever()
 
 
 async def test_a_peer_that_does_not_answer_pings_ends_the_link(
@@ -306,3 +304,52 @@ async def test_the_hub_logs_an_agent_that_stops_as_a_stop(
     assert record.levelno == logging.INFO
     assert record.getMessage().endswith("closed: the agent is stopping")
     gc.collect()
+
+
+async def test_a_link_the_control_plane_closes_leaves_no_socket_open() -> None:
+    """The agent closes its own socket when the control plane closed the
+    link first (trio-websocket 0.12 does not: the socket was left to the
+    garbage collector, a ResourceWarning in whatever test ran then)."""
+
+    async def close_after_register(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.get_message()
+        await ws.aclose(session.GOING_AWAY, "bye")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            url = await _serve(nursery, close_after_register)
+            async with session.connect(url, TOKEN, _register) as link:
+                stream = link._ws._stream
+                stream = getattr(stream, "inner", stream)  # under session's watch
+                assert isinstance(stream, trio.SocketStream)
+                sock = stream.socket
+                assert sock.fileno() != -1
+                with pytest.raises(session.PeerStopping):
+                    await link.receive()
+            nursery.cancel_scope.cancel()
+    assert sock.fileno() == -1, "the agent's socket is still open"
+
+
+async def test_a_refused_handshake_leaves_no_socket_open() -> None:
+    """A link the control plane refuses (HTTP 401) closes its socket
+    (trio-websocket's open_websocket_url left it to the garbage collector)."""
+
+    async def refuse(request: trio_websocket.WebSocketRequest) -> None:
+        await request.reject(401)
+
+    gc.collect()  # what earlier tests left, not this one's
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                url = await _serve(nursery, refuse)
+                for _ in range(3):
+                    with pytest.raises(errors.LinkClosed, match="rejected with HTTP 401"):
+                        async with session.connect(url, TOKEN, _register):
+                            pass
+                nursery.cancel_scope.cancel()
+        gc.collect()
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    leaked = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not [text for text in leaked if f"raddr=('127.0.0.1', {port})" in text], leaked

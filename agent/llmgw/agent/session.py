@@ -391,32 +391,47 @@ async def connect(
     """
     body_error: BaseException | None = None
     headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-    opening = (
-        _open_tls(url, ssl_context, headers)
-        if ssl_context is not None
-        else trio_websocket.open_websocket_url(
-            url,
-            extra_headers=headers,
-            max_message_size=protocol.MAX_FRAME_BYTES,
-            connect_timeout=CONNECT_TIMEOUT_S,
-            disconnect_timeout=DISCONNECT_TIMEOUT_S,
-        )
-    )
+    # Not trio-websocket's open_websocket_url: it leaves the socket open when
+    # the control plane refuses the handshake (HTTP 401, 403).
+    opening = _open_tls(url, ssl_context, headers)
+    opened: trio_websocket.WebSocketConnection | None = None
     try:
-        async with opening as ws:
-            link = Link(ws, me="agent", peer="control plane", name=f"the control plane at {url}")
-            try:
-                await link.send(await register())
-                yield link
-            except BaseException as exc:
-                body_error = exc
-                raise
+        try:
+            async with opening as ws:
+                opened = ws
+                link = Link(
+                    ws, me="agent", peer="control plane", name=f"the control plane at {url}"
+                )
+                try:
+                    await link.send(await register())
+                    yield link
+                except BaseException as exc:
+                    body_error = exc
+                    raise
+        finally:
+            if opened is not None:
+                await _close_transport(opened)
     except _SOCKET_ERRORS as exc:
         if body_error is not None:
             # The body's own error says more than a failure to close after it
             # (a dead peer does not answer the closing handshake either).
             raise body_error from None
         raise _closed(exc, "control plane") from exc
+
+
+async def _close_transport(ws: trio_websocket.WebSocketConnection) -> None:
+    """Close the TCP (or TLS) stream under a client link that trio-websocket
+    has closed.
+
+    trio-websocket 0.12 never closes a client's stream when the control plane
+    closed the link first: its reader stops at the server's TCP close, and
+    ``aclose`` returns at once because the link already has a close reason.
+    The socket was then left to the garbage collector (an open file for as
+    long as the agent lives, and a ``ResourceWarning``). Closing a closed
+    stream again does nothing.
+    """
+    with trio.CancelScope(shield=True):
+        await trio.aclose_forcefully(ws._stream)
 
 
 class _ClosedAfterHandshake(trio.BrokenResourceError):
@@ -430,7 +445,7 @@ class _WatchedStream(trio.abc.Stream):
     the link during the websocket handshake (a TLS 1.3 server refusing the
     client's certificate does so after its own handshake)."""
 
-    def __init__(self, inner: trio.SSLStream[trio.SocketStream]) -> None:
+    def __init__(self, inner: trio.abc.Stream) -> None:
         self.inner = inner
         self.failure: BaseException | None = None
         self.broke = trio.Event()
@@ -471,7 +486,7 @@ class _WatchedStream(trio.abc.Stream):
 
 @asynccontextmanager
 async def _open_tls(
-    url: str, ssl_context: ssl.SSLContext, headers: list[tuple[bytes, bytes]]
+    url: str, ssl_context: ssl.SSLContext | None, headers: list[tuple[bytes, bytes]]
 ) -> AsyncIterator[trio_websocket.WebSocketConnection]:
     """A websocket over TLS run here (not by trio-websocket), so that a TLS
     failure during the handshake surfaces at once with its cause.
@@ -484,9 +499,10 @@ async def _open_tls(
         trio_websocket.HandshakeError: no websocket handshake in time.
     """
     parts = urlsplit(url)
-    if parts.scheme != "wss" or not parts.hostname:
-        raise trio_websocket.HandshakeError(f"{url!r} is not wss://HOST:PORT/PATH")
-    port = parts.port or 443
+    scheme = "ws" if ssl_context is None else "wss"
+    if parts.scheme != scheme or not parts.hostname:
+        raise trio_websocket.HandshakeError(f"{url!r} is not {scheme}://HOST:PORT/PATH")
+    port = parts.port or (80 if ssl_context is None else 443)
     resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     host_header = parts.netloc.rsplit("@", 1)[-1]
     failure: BaseException | None = None
@@ -496,15 +512,25 @@ async def _open_tls(
             ws: trio_websocket.WebSocketConnection | None = None
             watched: _WatchedStream | None = None
             with trio.move_on_after(CONNECT_TIMEOUT_S) as waited:
+                stream: trio.SSLStream[trio.SocketStream] | trio.SocketStream
                 try:
-                    stream = await trio.open_ssl_over_tcp_stream(
-                        parts.hostname, port, ssl_context=ssl_context, https_compatible=True
-                    )
+                    if ssl_context is None:
+                        stream = await trio.open_tcp_stream(parts.hostname, port)
+                    else:
+                        stream = await trio.open_ssl_over_tcp_stream(
+                            parts.hostname, port, ssl_context=ssl_context, https_compatible=True
+                        )
                 except OSError as exc:
-                    failure = exc
+                    if ssl_context is None:
+                        # As trio-websocket reports it: "cannot connect: <the error>".
+                        failure = trio_websocket.HandshakeError()
+                        failure.__cause__ = exc
+                    else:
+                        failure = exc
                 else:
                     try:
-                        await stream.do_handshake()
+                        if isinstance(stream, trio.SSLStream):
+                            await stream.do_handshake()
                     except trio.BrokenResourceError as exc:
                         await trio.aclose_forcefully(stream)
                         failure = exc
@@ -553,6 +579,8 @@ async def _open_tls(
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(DISCONNECT_TIMEOUT_S):
                         await ws.aclose()
+                    # Not closed by trio-websocket when the peer closed first.
+                    await _close_transport(ws)
                     nursery.cancel_scope.cancel()
     except* trio_websocket.ConnectionRejected as group:
         # The control plane answered the websocket handshake with an HTTP
