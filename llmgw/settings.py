@@ -36,6 +36,7 @@ import copy
 import math
 import re
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Optional
@@ -546,12 +547,36 @@ class GuardSettings:
                     )
 
 
+def http_url_problem(url: object) -> str | None:
+    """Why ``url`` is not a usable http:// or https:// URL (a scheme, a host,
+    a valid port if any), or ``None`` when it is."""
+    if not isinstance(url, str):
+        return "is not an http:// or https:// URL"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"is not a valid URL ({exc})"
+    if parts.scheme not in ("http", "https") or not url.lower().startswith(parts.scheme + "://"):
+        return "is not an http:// or https:// URL"
+    if not parts.hostname or any(c.isspace() for c in url):
+        return "is not a valid URL (no host, or a space in it)"
+    if port == 0:
+        return "is not a valid URL (port 0)"
+    return None
+
+
 def _http_urls(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
     urls = (value,) if isinstance(value, str) else value
+    seen: set[str] = set()
     for i, url in enumerate(urls):
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            where = attribute.name if isinstance(value, str) else f"{attribute.name}[{i}]"
-            raise ValueError(f"{where}: {url!r} is not an http:// or https:// URL")
+        where = attribute.name if isinstance(value, str) else f"{attribute.name}[{i}]"
+        problem = http_url_problem(url)
+        if problem is not None:
+            raise ValueError(f"{where}: {url!r} {problem}")
+        if url.rstrip("/") in seen:
+            raise ValueError(f"{where}: {url!r} is listed twice")
+        seen.add(url.rstrip("/"))
 
 
 def _http_url_or_empty(obj: object, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -647,6 +672,8 @@ def _make_converter() -> cattrs.Converter:
     )
     converter.register_structure_hook(float, lambda value, _: parse_duration_s(value))
     converter.register_structure_hook(bool, _strict_bool)
+    # An empty YAML value (``key:`` or ``ctl config set key ''``) is "" for text.
+    converter.register_structure_hook(str, lambda value, _: "" if value is None else str(value))
     return converter
 
 
@@ -720,10 +747,18 @@ def settings_from_doc(doc: Mapping[str, Any]) -> ServerSettings:
     try:
         return _converter.structure(dict(doc), ServerSettings)
     except cattrs.BaseValidationError as exc:
-        messages = "; ".join(cattrs.transform_error(exc, path="", format_exception=_say_error))
-        raise SettingsError(messages.replace("$.", "").replace(" @ ", " at ")) from exc
+        said = cattrs.transform_error(exc, path="", format_exception=_say_error)
+        raise SettingsError("; ".join(_with_where(one) for one in said)) from exc
     except (TypeError, ValueError) as exc:
         raise SettingsError(str(exc)) from exc
+
+
+def _with_where(said: str) -> str:
+    # cattrs ends each message with " @ PATH"; PATH is "" for a top-level key.
+    text, _, where = said.rpartition(" @ ")
+    if not text:
+        return said
+    return f"{text} at {where}" if where else text
 
 
 _unstructurer = cattrs.Converter()

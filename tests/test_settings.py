@@ -234,6 +234,27 @@ def test_mirrors_and_weights_settings() -> None:
         ({"mirrors": ["ftp://m"]}, "mirrors[0]: 'ftp://m' is not an http"),
         ({"weights": {"hf_endpoint": "hub"}}, "hf_endpoint: 'hub' is not an http"),
         ({"weights": {"token": "x"}}, "token"),
+        ({"mirrors": ["http://[::1"]}, "mirrors[0]: 'http://[::1' is not a valid URL"),
+        ({"mirrors": ["http://m:99999"]}, "mirrors[0]: 'http://m:99999' is not a valid URL"),
+        ({"mirrors": ["http://:8090"]}, "mirrors[0]: 'http://:8090' is not a valid URL"),
+        ({"mirrors": ["http://m:1", "http://m:1/"]}, "mirrors[1]: 'http://m:1/' is listed twice"),
+        ({"weights": {"hf_endpoint": "https://[::1"}}, "hf_endpoint: 'https://[::1' is not a"),
     ):
         with pytest.raises(SettingsError, match=re.escape(said)):
             settings_from_doc(doc)
+
+
+def test_top_level_errors_end_without_a_dangling_at() -> None:
+    for doc in ({"mirrors": ["ftp://x:1"]}, {"mirrors": [5]}):
+        with pytest.raises(SettingsError) as caught:
+            settings_from_doc(doc)
+        assert not str(caught.value).rstrip().endswith(" at"), str(caught.value)
+        assert str(caught.value).startswith("mirrors[0]: ")
+    with pytest.raises(SettingsError, match=r"lease_ttl_s must be at least 2 s at \.ha$"):
+        settings_from_doc({"ha": {"lease_ttl_s": 1}})
+
+
+def test_an_empty_text_setting_is_the_empty_default() -> None:
+    # ``ctl config set portal.external_url ''`` sends YAML "" -> None.
+    assert settings_from_doc({"portal": {"external_url": None}}).portal.external_url == ""
+    assert settings_from_doc({"weights": {"hf_endpoint": None}}).weights.hf_endpoint == ""

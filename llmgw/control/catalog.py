@@ -657,9 +657,16 @@ def validate_model(
 def _origin_problems(model: ModelRecord) -> list[str]:
     """A pinned ``origin`` (``docs/models-from-hf.md``): kind ``hf``, a
     40-hex commit, files with 64-hex digests and no pickle format, the main
-    file among them, and the ``source`` naming the same commit."""
+    file among them, and the ``source`` naming the same commit. An ``hf:``
+    source needs an origin (only ``ctl model serve hf:…`` pins one)."""
     origin = model.origin
     if origin is None:
+        if model.source.startswith("hf:"):
+            return [
+                f"source {model.source!r} is a Hugging Face repository, which must be pinned "
+                "first: use llmgw ctl model serve hf:ORG/REPO[@REV] (it resolves the commit "
+                "and the files) rather than ctl model add"
+            ]
         return []
     problems: list[str] = []
     if origin.kind != "hf":

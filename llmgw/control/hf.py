@@ -149,13 +149,18 @@ def _token(settings: ServerSettings) -> str | None:
 
 
 def _first_answering(hubs: Sequence[str], repo: str, transport: Any = None) -> str:
-    """The first hub that answers an HTTP request at all (any status)."""
+    """The first hub that answers an HTTP request at all (any status); a hub
+    whose URL cannot be used (``http://[::1``) counts as not answering.
+
+    Raises:
+        HfError: no hub answers.
+    """
     tried: list[str] = []
     with httpx.Client(timeout=PROBE_TIMEOUT_S, transport=transport) as client:
         for hub in hubs:
             try:
                 client.get(f"{hub}/api/models/{repo}")
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
                 tried.append(f"{hub}: {errors.describe(exc)}")
                 continue
             return hub

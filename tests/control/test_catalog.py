@@ -378,7 +378,7 @@ def test_max_output_within_context() -> None:
     [
         "/models/pytorch_model.bin",
         "/m/x.PT",
-        "hf:org/repo/model.pth",
+        "/srv/org/repo/model.pth",
         "https://mirror:8081/m/rev/weights.ckpt?download=1",
         "/m/x.pkl",
         "/m/x.pickle",
@@ -402,6 +402,14 @@ def test_misc_rules() -> None:
         ),
     )
     assert "used by another profile" in _problems(twice)
+
+
+def test_an_unpinned_hf_source_is_refused_pointing_at_model_serve() -> None:
+    # ``ctl model add zz2 --source hf:llmgw/gemma-3-270m-gguf`` was accepted,
+    # and its replica failed later with "no model file hf:…".
+    for source in ("hf:llmgw/gemma-3-270m-gguf", f"hf:org/repo@{'a' * 40}/m.gguf"):
+        said = _problems(attrs.evolve(_cpu(), source=source))
+        assert "use llmgw ctl model serve hf:ORG/REPO[@REV]" in said, said
 
 
 def test_every_problem_listed_at_once() -> None:

@@ -443,3 +443,23 @@ async def test_remove_deletes_only_what_llmgw_fetched(hub: FakeHub, tmp_path: Pa
     assert remove_weights(tmp_path, "org/other", COMMIT) == []
     with pytest.raises(FetchRefused):
         remove_weights(tmp_path, "../x", COMMIT)
+
+
+def test_an_unusable_hub_url_counts_as_not_answering(hub: FakeHub) -> None:
+    # Settings refuse such URLs now; a store written before may still hold one.
+    assert hf._first_answering(("http://[::1", "http://h:99999", hub.url), "org/m") == hub.url
+    with pytest.raises(hf.HfError, match="no hub answers"):
+        hf._first_answering(("http://[::1",), "org/m")
+
+
+async def test_fetch_skips_an_unusable_endpoint_url(hub: FakeHub, tmp_path: Path) -> None:
+    hub.add("org/m", COMMIT, {"m.gguf": GGUF})
+    spec = attrs.evolve(
+        _spec(hub, "org/m", COMMIT, main="m.gguf"), endpoints=("http://[::1", hub.url)
+    )
+    fetcher = WeightsFetcher(tmp_path, attempts=3, retry_delay_s=0.01)
+    path = await _fetch(fetcher, spec)
+    assert path.read_bytes() == GGUF
+    only_bad = attrs.evolve(spec, revision=COMMIT2, endpoints=("http://[::1",))
+    with pytest.raises(FetchError, match="after 3 tries"):
+        await _fetch(WeightsFetcher(tmp_path / "b", attempts=3, retry_delay_s=0.01), only_bad)

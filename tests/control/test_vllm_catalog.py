@@ -14,6 +14,13 @@ def _vllm(*args: str) -> dict[str, object]:
     return {
         "name": "qwen-small",
         "source": f"hf:Qwen/Qwen2.5-0.5B-Instruct@{COMMIT}",
+        "origin": {  # an hf: source is pinned (``ctl model serve``)
+            "kind": "hf",
+            "repo": "Qwen/Qwen2.5-0.5B-Instruct",
+            "revision": COMMIT,
+            "files": [{"path": "model.safetensors", "size_bytes": 1, "sha256": "ab" * 32}],
+            "main_file": "",
+        },
         "profiles": [
             {
                 "engine": "vllm",

@@ -350,7 +350,8 @@ class WeightsFetcher:
                 url = f"{endpoint}/{spec.repo}/resolve/{spec.revision}/{file.path}"
                 try:
                     have = await self._get(client, url, file, part, have, moved)
-                except (httpx.HTTPError, FetchError) as exc:
+                except (httpx.HTTPError, httpx.InvalidURL, FetchError) as exc:
+                    # An unusable endpoint URL counts as one that does not answer.
                     problems.append(f"{url}: {errors.describe(exc)}")
                     log.warning("fetching %s: %s; resuming", file.path, errors.describe(exc))
                     have = await trio.to_thread.run_sync(_size, part)
