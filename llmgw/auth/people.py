@@ -142,6 +142,23 @@ class Failures:
         self.pairs[key] = [*self._recent(self.pairs.get(key, []), now), now]
         self.clients[client] = [*self._recent(self.clients.get(client, []), now), now]
 
+    def reserve(self, email: str, client: str, now: float) -> bool:
+        """Check and count one attempt at once (no await between): ``False``
+        when the pair or client is locked, else the attempt is counted as a
+        failure until :meth:`succeed` or :meth:`release` undoes it, so
+        concurrent attempts cannot all pass the check before any counts."""
+        if self.locked(email, client, now):
+            return False
+        self.fail(email, client, now)
+        return True
+
+    def release(self, email: str, client: str, at: float) -> None:
+        """Undo one attempt :meth:`reserve` counted at ``at`` (it did not
+        end in a verdict, e.g. a store error or cancellation)."""
+        for times in (self.pairs.get((email, client)), self.clients.get(client)):
+            if times is not None and at in times:
+                times.remove(at)
+
     def succeed(self, email: str, client: str) -> None:
         self.pairs.pop((email, client), None)
         self.clients.pop(client, None)
@@ -342,18 +359,23 @@ class People:
         """
         address = email.strip().lower()
         now = trio.current_time()
-        if self.failures.locked(address, client, now):
+        if not self.failures.reserve(address, client, now):
             raise TooManyAttempts(
                 "Too many failed sign-ins from this address; try again in 15 minutes."
             )
-        if not self._dummy:
-            self._dummy = await self._hash(secrets.token_urlsafe(16))
-        person = await self._store.find_person(address)
-        stored = person.password_hash if person is not None else "!"
-        usable = not stored.startswith("!")
-        ok = await self._verify(stored if usable else self._dummy, password) and usable
+        # The attempt counts as failed from here until the verdict, so at most
+        # PAIR_FAILURES / CLIENT_FAILURES verifications run however many arrive.
+        try:
+            if not self._dummy:
+                self._dummy = await self._hash(secrets.token_urlsafe(16))
+            person = await self._store.find_person(address)
+            stored = person.password_hash if person is not None else "!"
+            usable = not stored.startswith("!")
+            ok = await self._verify(stored if usable else self._dummy, password) and usable
+        except BaseException:
+            self.failures.release(address, client, now)
+            raise
         if person is None or not ok:
-            self.failures.fail(address, client, now)
             raise SignInRefused("Wrong address or password.")
         self.failures.succeed(address, client)
         if person.state != "active":

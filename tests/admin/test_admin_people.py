@@ -6,9 +6,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import pytest
+import trio
 
 from llmgw.auth.keys import hash_key
-from llmgw.auth.people import People, SignInRefused, TooManyAttempts
+from llmgw.auth.people import (
+    CLIENT_FAILURES,
+    PAIR_FAILURES,
+    People,
+    SignInRefused,
+    TooManyAttempts,
+)
 
 if TYPE_CHECKING:
     from tests.admin.conftest import Admin
@@ -134,3 +141,39 @@ async def test_failures_lock_the_client_out_not_the_owner_elsewhere(admin: Admin
     assert await people.session(token) is not None
     with pytest.raises(SignInRefused):
         await people.sign_in("nobody@example.com", password, "10.0.0.1")
+
+
+class _CountingPeople(People):
+    """Counts the password verifications that really run (a unit seam)."""
+
+    verified = 0
+
+    async def _verify(self, stored: str, password: str) -> bool:
+        self.verified += 1
+        return await super()._verify(stored, password)
+
+
+@pytest.mark.parametrize(
+    ("addresses", "limit"), [(1, PAIR_FAILURES), (40, CLIENT_FAILURES)], ids=["pair", "client"]
+)
+async def test_parallel_wrong_sign_ins_verify_at_most_the_limit(
+    admin: Admin, addresses: int, limit: int
+) -> None:
+    people = _CountingPeople(admin.store, b"k" * 32)
+    await people.join("ada@example.com")
+    outcomes: list[type[BaseException]] = []
+
+    async def attempt(i: int) -> None:
+        email = "ada@example.com" if addresses == 1 else f"u{i}@example.com"
+        try:
+            await people.sign_in(email, "wrong password", "203.0.113.9")
+        except (SignInRefused, TooManyAttempts) as refusal:
+            outcomes.append(type(refusal))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(40):
+            nursery.start_soon(attempt, i)
+    assert len(outcomes) == 40
+    assert people.verified <= limit
+    assert outcomes.count(SignInRefused) == limit
+    assert outcomes.count(TooManyAttempts) == 40 - limit
