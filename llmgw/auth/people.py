@@ -66,6 +66,7 @@ LOCKOUT_S: Final = 15 * 60.0
 #: The name of the key a session makes for the chat page.
 CHAT_KEY_NAME: Final = "portal chat"
 _EMAIL = re.compile(r"^[^@\s]{1,64}@[^@\s]{1,190}$")
+_NOT_IN_PATH = re.compile(r"[/\\\x00-\x1f\x7f]")
 _HASHER: Final = argon2.PasswordHasher()
 #: Argon2 runs in worker threads, at most this many at once.
 _HASH_LIMITER: Final = trio.CapacityLimiter(2)
@@ -108,6 +109,13 @@ def check_email(email: object) -> str:
     """The address lower-cased. Raises InvalidInput when it is not one."""
     if not isinstance(email, str) or not _EMAIL.match(email.strip()):
         raise errors.InvalidInput("'email' must be a sign-in address like ada@example.com")
+    if _NOT_IN_PATH.search(email.strip()):
+        # The address is a segment of the admin API's paths (/api/v1/people/WHO):
+        # a '/' (even quoted) or a control character cannot sit in one.
+        raise errors.InvalidInput(
+            "'email' cannot hold '/', '\\' or control characters (it names the "
+            "account in the admin API's paths)"
+        )
     return email.strip().lower()
 
 

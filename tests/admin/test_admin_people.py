@@ -16,6 +16,7 @@ from llmgw.auth.people import (
     SignInRefused,
     TooManyAttempts,
 )
+from llmgw.cli.options import path_part
 
 if TYPE_CHECKING:
     from tests.admin.conftest import Admin
@@ -177,3 +178,27 @@ async def test_parallel_wrong_sign_ins_verify_at_most_the_limit(
     assert people.verified <= limit
     assert outcomes.count(SignInRefused) == limit
     assert outcomes.count(TooManyAttempts) == 40 - limit
+
+
+async def test_an_address_that_cannot_name_a_path_segment_is_refused_at_join(
+    admin: Admin,
+) -> None:
+    for bad in ("a/b@x.io", "a\\b@x.io", "a\x01b@x.io"):
+        status, doc = await admin.call("POST", "/api/v1/people", {"email": bad})
+        assert status == 400, (bad, doc)
+        assert "cannot hold '/'" in doc["error"]["message"]
+    assert await admin.store.list_people() == []
+
+
+@pytest.mark.parametrize("who", ["a?b@x.io", "a#b@x.io", "<a>@x.io", "a%b@x.io", "a+b@x.io"])
+async def test_an_address_with_url_characters_is_managed_through_the_quoted_path(
+    admin: Admin, who: str
+) -> None:
+    status, doc = await admin.call("POST", "/api/v1/people", {"email": who})
+    assert status == 201, doc
+    status, doc = await admin.call(
+        "POST", f"/api/v1/people/{path_part(who)}/role", {"role": "viewer"}
+    )
+    assert (status, doc.get("email"), doc.get("role")) == (200, who, "viewer"), doc
+    status, doc = await admin.call("DELETE", f"/api/v1/people/{path_part(who)}")
+    assert (status, doc.get("deleted")) == (200, True), doc
