@@ -259,22 +259,56 @@ class People:
             raise errors.NotFound(f"no person {who!r}")
         return person
 
+    async def _keep_an_admin(self, person: Person, action: str) -> None:
+        """Raises LastAdmin when ``person`` is the only active admin."""
+        if person.staff_role != "admin" or person.state != "active":
+            return
+        if any(
+            p.id != person.id and p.staff_role == "admin" and p.state == "active"
+            for p in await self._store.list_people()
+        ):
+            return
+        raise LastAdmin(
+            f"{person.email} is the last admin: cannot {action} them; make another "
+            "person admin first"
+        )
+
     async def set_role(self, who: str, role: str) -> Person:
-        """Set the staff role ("" = none). Raises InvalidInput, NotFound."""
+        """Set the staff role ("" = none). Raises InvalidInput, NotFound,
+        LastAdmin (409: the last active admin would lose the role)."""
         if role not in ("", *STAFF_ROLES):
             raise errors.InvalidInput(
                 f"unknown staff role {role!r}; known: {', '.join(STAFF_ROLES)}"
             )
-        person = attrs.evolve(await self.find(who), staff_role=cast(StaffRole, role))
+        found = await self.find(who)
+        if role != "admin":
+            await self._keep_an_admin(found, "take the admin role from")
+        person = attrs.evolve(found, staff_role=cast(StaffRole, role))
         await self._store.update_person(person)
         return person
 
+    async def approve(self, who: str) -> Person:
+        """An awaiting account made active (an active one stays so).
+
+        Raises:
+            NotFound: no such person.
+            WrongState: (409) the account is suspended: ``reinstate`` it.
+        """
+        person = await self.find(who)
+        if person.state == "suspended":
+            raise WrongState(f"{person.email} is suspended, not awaiting approval: use reinstate")
+        return await self.set_state(person.id, "active")
+
     async def set_state(self, who: str, state: str) -> Person:
         """approve/reinstate (``active``) or suspend; a suspension ends the
-        person's sessions at once. Raises InvalidInput, NotFound."""
+        person's sessions at once. Raises InvalidInput, NotFound, LastAdmin
+        (409: the last active admin would be suspended)."""
         if state not in STATES:
             raise errors.InvalidInput(f"unknown state {state!r}; known: {', '.join(STATES)}")
-        person = attrs.evolve(await self.find(who), state=cast(PersonState, state))
+        found = await self.find(who)
+        if state != "active":
+            await self._keep_an_admin(found, "suspend")
+        person = attrs.evolve(found, state=cast(PersonState, state))
         await self._store.update_person(person)
         if state != "active":
             await self.end_sessions(person)
@@ -290,16 +324,19 @@ class People:
         return person
 
     async def delete(self, who: str) -> Person:
-        """Delete the account (sessions and memberships go; keys stay)."""
+        """Delete the account (sessions and memberships go; keys stay).
+        Raises NotFound, LastAdmin (409)."""
         person = await self.find(who)
+        await self._keep_an_admin(person, "delete")
         await self.end_sessions(person)
         await self._store.delete_person(person.id)
         return person
 
     async def forget(self, who: str) -> str:
         """Erase the person's data; their keys (revoked) and usage stay under
-        an anonymous id, which is returned."""
+        an anonymous id, which is returned. Raises NotFound, LastAdmin (409)."""
         person = await self.find(who)
+        await self._keep_an_admin(person, "forget")
         await self.end_sessions(person)
         anonymous = "forgotten-" + hashlib.sha256(secrets.token_bytes(16)).hexdigest()[:12]
         owned = [k.id for k in await self._store.list_keys() if k.owner == person.email]
@@ -491,6 +528,20 @@ class People:
 class _Exists(errors.Refused):
     status = 409
     code = "person_exists"
+
+
+class LastAdmin(errors.Refused):
+    """The change would leave no active admin."""
+
+    status = 409
+    code = "last_admin"
+
+
+class WrongState(errors.Refused):
+    """The action does not fit the account's state (approve a suspended one)."""
+
+    status = 409
+    code = "wrong_state"
 
 
 def _sha(token: str) -> str:

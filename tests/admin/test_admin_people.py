@@ -202,3 +202,47 @@ async def test_an_address_with_url_characters_is_managed_through_the_quoted_path
     assert (status, doc.get("email"), doc.get("role")) == (200, who, "viewer"), doc
     status, doc = await admin.call("DELETE", f"/api/v1/people/{path_part(who)}")
     assert (status, doc.get("deleted")) == (200, True), doc
+
+
+async def test_approve_refuses_a_suspended_account_and_says_reinstate(admin: Admin) -> None:
+    await admin.call("POST", "/api/v1/people", {"email": "ada@example.com"})
+    await admin.call("POST", "/api/v1/people", {"email": "bob@example.com", "state": "awaiting"})
+    status, doc = await admin.call("POST", "/api/v1/people/bob@example.com/approve")
+    assert (status, doc["state"]) == (200, "active")
+    await admin.call("POST", "/api/v1/people/ada@example.com/suspend")
+    status, doc = await admin.call("POST", "/api/v1/people/ada@example.com/approve")
+    assert status == 409, doc
+    assert doc["error"]["code"] == "wrong_state"
+    assert "reinstate" in doc["error"]["message"]
+    person = await admin.store.find_person("ada@example.com")
+    assert person is not None
+    assert person.state == "suspended"
+
+
+async def test_the_last_active_admin_cannot_be_suspended_demoted_deleted_or_forgotten(
+    admin: Admin,
+) -> None:
+    await admin.call("POST", "/api/v1/people", {"email": "root@example.com", "role": "admin"})
+    for method, path, body in [
+        ("POST", "/api/v1/people/root@example.com/suspend", None),
+        ("POST", "/api/v1/people/root@example.com/role", {"role": "viewer"}),
+        ("DELETE", "/api/v1/people/root@example.com", None),
+        ("POST", "/api/v1/people/root@example.com/forget", None),
+    ]:
+        status, doc = await admin.call(method, path, body)
+        assert status == 409, (path, doc)
+        assert doc["error"]["code"] == "last_admin"
+        assert "the last admin" in doc["error"]["message"]
+    person = await admin.store.find_person("root@example.com")
+    assert person is not None
+    assert (person.state, person.staff_role) == ("active", "admin")
+    # A suspended admin does not count: with another active one, it may go.
+    await admin.call("POST", "/api/v1/people", {"email": "two@example.com", "role": "admin"})
+    await admin.call("POST", "/api/v1/people/two@example.com/suspend")
+    status, _ = await admin.call("POST", "/api/v1/people/root@example.com/suspend")
+    assert status == 409
+    await admin.call("POST", "/api/v1/people/two@example.com/reinstate")
+    status, doc = await admin.call("POST", "/api/v1/people/root@example.com/role", {"role": ""})
+    assert (status, doc["role"]) == (200, "")
+    status, doc = await admin.call("DELETE", "/api/v1/people/two@example.com")
+    assert status == 409, doc
