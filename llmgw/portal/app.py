@@ -680,11 +680,17 @@ def make_portal_app(
         try:
             for name in ("rpm", "tpm"):
                 value = form.get(name, "").strip()
-                doc[name] = int(value) if value else None
+                # Digits become a number; anything else goes as text, which
+                # the admin API's own check refuses with its own message.
+                doc[name] = (
+                    (int(value) if value.isascii() and value.isdigit() else value)
+                    if value
+                    else None
+                )
             budget = form.get("budget_month", "").strip()
             doc["budget_month"] = budget or None
             await keys.set_limits(scope, level_id, doc)
-        except (ValueError, errors.InvalidInput, errors.NotFound) as exc:
+        except (errors.InvalidInput, errors.NotFound) as exc:
             return await tree_page(error=str(exc))
         raise _Redirect("/admin/tree")
 
