@@ -63,6 +63,8 @@ __all__ = ["DEFAULT_PROJECT", "KeysService", "add_key_routes", "parse_budget_mic
 DEFAULT_PROJECT: Final = "default/default/default"
 #: The largest budget accepted, in currency units.
 MAX_BUDGET_UNITS: Final = 10**12
+#: The largest rpm or tpm a level may have.
+MAX_RATE: Final = 10**12
 #: Key names and sign-in addresses: printable, no control characters.
 _PRINTABLE: Final = re.compile(r"^[^\x00-\x1f\x7f]+$")
 _LIMIT_FIELDS: Final = ("rpm", "tpm", "budget_day", "budget_month", "models")
@@ -130,10 +132,10 @@ def _limits_from(doc: object, base: Limits) -> Limits:
         if name in doc:
             value = doc[name]
             if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_RATE
             ):
                 raise errors.InvalidInput(
-                    f"'{name}' must be a whole number (0 or more), or null to clear it"
+                    f"'{name}' must be a whole number from 0 to {MAX_RATE:,}, or null to clear it"
                 )
             changes[name] = value
     for name in ("budget_day", "budget_month"):

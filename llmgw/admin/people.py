@@ -157,7 +157,7 @@ def add_people_routes(app: QuartTrio, store: Store, people: People) -> None:
 
     @app.post("/api/v1/people/<who>/approve")
     async def approve(who: str) -> Any:
-        return await person_view(store, await people.set_state(who, "active"))
+        return await person_view(store, await people.approve(who))
 
     @app.post("/api/v1/people/<who>/reinstate")
     async def reinstate(who: str) -> Any:

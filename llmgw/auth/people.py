@@ -66,6 +66,7 @@ LOCKOUT_S: Final = 15 * 60.0
 #: The name of the key a session makes for the chat page.
 CHAT_KEY_NAME: Final = "portal chat"
 _EMAIL = re.compile(r"^[^@\s]{1,64}@[^@\s]{1,190}$")
+_NOT_IN_PATH = re.compile(r"[/\\\x00-\x1f\x7f]")
 _HASHER: Final = argon2.PasswordHasher()
 #: Argon2 runs in worker threads, at most this many at once.
 _HASH_LIMITER: Final = trio.CapacityLimiter(2)
@@ -108,6 +109,13 @@ def check_email(email: object) -> str:
     """The address lower-cased. Raises InvalidInput when it is not one."""
     if not isinstance(email, str) or not _EMAIL.match(email.strip()):
         raise errors.InvalidInput("'email' must be a sign-in address like ada@example.com")
+    if _NOT_IN_PATH.search(email.strip()):
+        # The address is a segment of the admin API's paths (/api/v1/people/WHO):
+        # a '/' (even quoted) or a control character cannot sit in one.
+        raise errors.InvalidInput(
+            "'email' cannot hold '/', '\\' or control characters (it names the "
+            "account in the admin API's paths)"
+        )
     return email.strip().lower()
 
 
@@ -141,6 +149,23 @@ class Failures:
         key = (email, client)
         self.pairs[key] = [*self._recent(self.pairs.get(key, []), now), now]
         self.clients[client] = [*self._recent(self.clients.get(client, []), now), now]
+
+    def reserve(self, email: str, client: str, now: float) -> bool:
+        """Check and count one attempt at once (no await between): ``False``
+        when the pair or client is locked, else the attempt is counted as a
+        failure until :meth:`succeed` or :meth:`release` undoes it, so
+        concurrent attempts cannot all pass the check before any counts."""
+        if self.locked(email, client, now):
+            return False
+        self.fail(email, client, now)
+        return True
+
+    def release(self, email: str, client: str, at: float) -> None:
+        """Undo one attempt :meth:`reserve` counted at ``at`` (it did not
+        end in a verdict, e.g. a store error or cancellation)."""
+        for times in (self.pairs.get((email, client)), self.clients.get(client)):
+            if times is not None and at in times:
+                times.remove(at)
 
     def succeed(self, email: str, client: str) -> None:
         self.pairs.pop((email, client), None)
@@ -234,22 +259,56 @@ class People:
             raise errors.NotFound(f"no person {who!r}")
         return person
 
+    async def _keep_an_admin(self, person: Person, action: str) -> None:
+        """Raises LastAdmin when ``person`` is the only active admin."""
+        if person.staff_role != "admin" or person.state != "active":
+            return
+        if any(
+            p.id != person.id and p.staff_role == "admin" and p.state == "active"
+            for p in await self._store.list_people()
+        ):
+            return
+        raise LastAdmin(
+            f"{person.email} is the last admin: cannot {action} them; make another "
+            "person admin first"
+        )
+
     async def set_role(self, who: str, role: str) -> Person:
-        """Set the staff role ("" = none). Raises InvalidInput, NotFound."""
+        """Set the staff role ("" = none). Raises InvalidInput, NotFound,
+        LastAdmin (409: the last active admin would lose the role)."""
         if role not in ("", *STAFF_ROLES):
             raise errors.InvalidInput(
                 f"unknown staff role {role!r}; known: {', '.join(STAFF_ROLES)}"
             )
-        person = attrs.evolve(await self.find(who), staff_role=cast(StaffRole, role))
+        found = await self.find(who)
+        if role != "admin":
+            await self._keep_an_admin(found, "take the admin role from")
+        person = attrs.evolve(found, staff_role=cast(StaffRole, role))
         await self._store.update_person(person)
         return person
 
+    async def approve(self, who: str) -> Person:
+        """An awaiting account made active (an active one stays so).
+
+        Raises:
+            NotFound: no such person.
+            WrongState: (409) the account is suspended: ``reinstate`` it.
+        """
+        person = await self.find(who)
+        if person.state == "suspended":
+            raise WrongState(f"{person.email} is suspended, not awaiting approval: use reinstate")
+        return await self.set_state(person.id, "active")
+
     async def set_state(self, who: str, state: str) -> Person:
         """approve/reinstate (``active``) or suspend; a suspension ends the
-        person's sessions at once. Raises InvalidInput, NotFound."""
+        person's sessions at once. Raises InvalidInput, NotFound, LastAdmin
+        (409: the last active admin would be suspended)."""
         if state not in STATES:
             raise errors.InvalidInput(f"unknown state {state!r}; known: {', '.join(STATES)}")
-        person = attrs.evolve(await self.find(who), state=cast(PersonState, state))
+        found = await self.find(who)
+        if state != "active":
+            await self._keep_an_admin(found, "suspend")
+        person = attrs.evolve(found, state=cast(PersonState, state))
         await self._store.update_person(person)
         if state != "active":
             await self.end_sessions(person)
@@ -265,16 +324,19 @@ class People:
         return person
 
     async def delete(self, who: str) -> Person:
-        """Delete the account (sessions and memberships go; keys stay)."""
+        """Delete the account (sessions and memberships go; keys stay).
+        Raises NotFound, LastAdmin (409)."""
         person = await self.find(who)
+        await self._keep_an_admin(person, "delete")
         await self.end_sessions(person)
         await self._store.delete_person(person.id)
         return person
 
     async def forget(self, who: str) -> str:
         """Erase the person's data; their keys (revoked) and usage stay under
-        an anonymous id, which is returned."""
+        an anonymous id, which is returned. Raises NotFound, LastAdmin (409)."""
         person = await self.find(who)
+        await self._keep_an_admin(person, "forget")
         await self.end_sessions(person)
         anonymous = "forgotten-" + hashlib.sha256(secrets.token_bytes(16)).hexdigest()[:12]
         owned = [k.id for k in await self._store.list_keys() if k.owner == person.email]
@@ -342,18 +404,23 @@ class People:
         """
         address = email.strip().lower()
         now = trio.current_time()
-        if self.failures.locked(address, client, now):
+        if not self.failures.reserve(address, client, now):
             raise TooManyAttempts(
                 "Too many failed sign-ins from this address; try again in 15 minutes."
             )
-        if not self._dummy:
-            self._dummy = await self._hash(secrets.token_urlsafe(16))
-        person = await self._store.find_person(address)
-        stored = person.password_hash if person is not None else "!"
-        usable = not stored.startswith("!")
-        ok = await self._verify(stored if usable else self._dummy, password) and usable
+        # The attempt counts as failed from here until the verdict, so at most
+        # PAIR_FAILURES / CLIENT_FAILURES verifications run however many arrive.
+        try:
+            if not self._dummy:
+                self._dummy = await self._hash(secrets.token_urlsafe(16))
+            person = await self._store.find_person(address)
+            stored = person.password_hash if person is not None else "!"
+            usable = not stored.startswith("!")
+            ok = await self._verify(stored if usable else self._dummy, password) and usable
+        except BaseException:
+            self.failures.release(address, client, now)
+            raise
         if person is None or not ok:
-            self.failures.fail(address, client, now)
             raise SignInRefused("Wrong address or password.")
         self.failures.succeed(address, client)
         if person.state != "active":
@@ -461,6 +528,20 @@ class People:
 class _Exists(errors.Refused):
     status = 409
     code = "person_exists"
+
+
+class LastAdmin(errors.Refused):
+    """The change would leave no active admin."""
+
+    status = 409
+    code = "last_admin"
+
+
+class WrongState(errors.Refused):
+    """The action does not fit the account's state (approve a suspended one)."""
+
+    status = 409
+    code = "wrong_state"
 
 
 def _sha(token: str) -> str:

@@ -41,7 +41,14 @@ from llmgw import errors
 from llmgw.accounting.accountant import Accountant
 from llmgw.admin.keys import KeysService
 from llmgw.admin.people import membership_target, person_view
-from llmgw.auth.people import CHAT_KEY_NAME, STAFF_ROLES, People, SignedIn
+from llmgw.auth.people import (
+    CHAT_KEY_NAME,
+    STAFF_ROLES,
+    LastAdmin,
+    People,
+    SignedIn,
+    WrongState,
+)
 from llmgw.auth.tree import ScopeResolver
 from llmgw.control.cluster import Cluster
 from llmgw.store import KeyRecord, Membership, ProjectPath, Store
@@ -598,7 +605,9 @@ def make_portal_app(
         form = await posted(signed)
         staff(signed, "people")
         try:
-            if verb in ("approve", "reinstate"):
+            if verb == "approve":
+                await people.approve(person_id)
+            elif verb == "reinstate":
                 await people.set_state(person_id, "active")
             elif verb == "suspend":
                 if person_id == signed.person.id:
@@ -619,7 +628,7 @@ def make_portal_app(
                 )
             else:
                 raise _Refused(404, "No such action.")
-        except (errors.InvalidInput, errors.NotFound) as exc:
+        except (errors.InvalidInput, errors.NotFound, LastAdmin, WrongState) as exc:
             return await people_page(signed, error=str(exc))
         raise _Redirect("/admin/people")
 
@@ -671,11 +680,17 @@ def make_portal_app(
         try:
             for name in ("rpm", "tpm"):
                 value = form.get(name, "").strip()
-                doc[name] = int(value) if value else None
+                # Digits become a number; anything else goes as text, which
+                # the admin API's own check refuses with its own message.
+                doc[name] = (
+                    (int(value) if value.isascii() and value.isdigit() else value)
+                    if value
+                    else None
+                )
             budget = form.get("budget_month", "").strip()
             doc["budget_month"] = budget or None
             await keys.set_limits(scope, level_id, doc)
-        except (ValueError, errors.InvalidInput, errors.NotFound) as exc:
+        except (errors.InvalidInput, errors.NotFound) as exc:
             return await tree_page(error=str(exc))
         raise _Redirect("/admin/tree")
 

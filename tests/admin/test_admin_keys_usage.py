@@ -122,6 +122,9 @@ async def test_the_tree_is_provisioned_once_and_limits_narrow_a_level(admin: Adm
     status, body = await admin.call("PUT", "/api/v1/limits/org/Acme", {"rpm": -1})
     assert status == 400
     assert "'rpm' must be a whole number" in body["error"]["message"]
+    status, body = await admin.call("PUT", "/api/v1/limits/org/Acme", {"tpm": 10**13})
+    assert status == 400, body
+    assert "'tpm' must be a whole number from 0 to 1,000,000,000,000" in body["error"]["message"]
     status, body = await admin.call("POST", "/api/v1/tree", {"orgz": []})
     assert status == 400
 

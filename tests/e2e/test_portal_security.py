@@ -313,3 +313,21 @@ def test_sign_up_external_url_and_the_portal_switch_follow_the_live_settings(
     assert httpx.get(f"{portal.base}/health", timeout=30).status_code == 200
     _setting(portal, "portal.enabled", True)
     wait(lambda: browser.http.get("/").status_code == 303, 30, "the portal on")
+
+
+def test_llmgw_users_manages_addresses_with_url_characters_and_refuses_a_slash(
+    portal: Portal,
+) -> None:
+    slash = _users(portal, "join", "a/b@x.io")
+    assert slash.returncode == 1
+    assert "cannot hold '/'" in slash.stderr
+    assert "a/b@x.io" not in _users(portal, "list", "--json").stdout
+    odd = "q?r#s<t>%u@x.io"
+    joined = _users(portal, "join", odd)
+    assert joined.returncode == 0, joined.stderr
+    role = _users(portal, "role", odd, "viewer", "--json")
+    assert role.returncode == 0, role.stderr
+    assert (json.loads(role.stdout)["email"], json.loads(role.stdout)["role"]) == (odd, "viewer")
+    assert _users(portal, "suspend", odd).returncode == 0
+    deleted = _users(portal, "delete", odd)
+    assert deleted.returncode == 0, deleted.stderr

@@ -248,3 +248,25 @@ async def test_chat_and_models_list_only_the_models_the_chat_key_may_call(site: 
     assert accountant.allowed(levels, "allowed-model")
     with pytest.raises(ModelNotAllowed):
         accountant.check(levels, "other-model", 10, now=1.0)
+
+
+async def test_tree_limits_form_refuses_bad_numbers_as_the_admin_api_does(site: Site) -> None:
+    await site.people.join("b@example.com", password="a password", staff_role="billing")
+    await site.store.ensure_project("Acme", "ml", "train", now=1.0)
+    client = site.client()
+    await _sign_in(client, "b@example.com", "a password")
+    page = await (await client.get("/admin/tree")).get_data(as_text=True)
+    token = _hidden(page)
+    action = next(a for a in re.findall(r'action="([^"]+)"', page) if a.startswith("/admin/tree/"))
+    for field, value in (("rpm", "abc"), ("tpm", "1e99"), ("rpm", "1" + "0" * 20), ("rpm", "-1")):
+        answer = await client.post(action, form={"csrf": token, field: value})
+        text = await answer.get_data(as_text=True)
+        assert answer.status_code == 200, (field, value)
+        assert "must be a whole number from 0 to 1,000,000,000,000" in text, (field, value)
+        assert "invalid literal" not in text
+    assert all(
+        limits.rpm is None and limits.tpm is None
+        for limits in [o.limits for o in await site.store.list_orgs()]
+    )
+    answer = await client.post(action, form={"csrf": token, "rpm": "60"})
+    assert answer.status_code in (302, 303), await answer.get_data(as_text=True)
