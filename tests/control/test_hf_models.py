@@ -125,15 +125,17 @@ class FakeHub:
                 if self.command == "HEAD":
                     return
                 cut = hub.cut_after.pop(file, None)
+                # Counted before the bytes go: a client that has them may
+                # look at the count at once (it raced the write under load).
                 if cut is not None:
-                    self.wfile.write(body[:cut])
                     hub.served[file] += cut
+                    self.wfile.write(body[:cut])
                     self.wfile.flush()
                     self.close_connection = True
                     self.connection.shutdown(2)
                     return
-                self.wfile.write(body)
                 hub.served[file] += len(body)
+                self.wfile.write(body)
 
             def _send(self, status: int, body: bytes, error: str = "") -> None:
                 self.send_response(status)
