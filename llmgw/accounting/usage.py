@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final, NoReturn
 
@@ -111,18 +111,18 @@ class UsageWriter:
             if crashed:
                 rows = await trio.to_thread.run_sync(_replay, crashed)
                 for start in range(0, len(rows), self.batch_size):
-                    await store.insert_usage(rows[start : start + self.batch_size])
+                    await _write_batch(store, rows[start : start + self.batch_size])
                 for segment in crashed:
                     journal.delete(segment)
             for segment in journal.closed_segments():
                 rows = await trio.to_thread.run_sync(read_segment, segment)
                 for start in range(0, len(rows), self.batch_size):
-                    await store.insert_usage(rows[start : start + self.batch_size])
+                    await _write_batch(store, rows[start : start + self.batch_size])
                 journal.delete(segment)
             return
         while self._rows:
             batch = [self._rows[i] for i in range(min(self.batch_size, len(self._rows)))]
-            await store.insert_usage(batch)
+            await _write_batch(store, batch)
             for _ in batch:
                 self._rows.popleft()
             metrics.USAGE_QUEUE_DEPTH.set(len(self._rows))
@@ -148,6 +148,23 @@ def _replay(segments: list[Path]) -> list[UsageRow]:
     if starts:
         log.warning("%d streams cut by a crash recorded as cut (503)", len(starts))
     return rows + list(starts.values())
+
+
+async def _write_batch(store: Store, batch: Sequence[UsageRow]) -> None:
+    """Insert ``batch`` and record each key's newest use in it (one
+    :meth:`~llmgw.store.Store.mark_keys_used` call per batch, so a key's last
+    use outlives usage retention).
+
+    Raises:
+        StoreError: the store failed.
+    """
+    await store.insert_usage(batch)
+    used: dict[str, float] = {}
+    for row in batch:
+        if row.key_id and row.created_at > used.get(row.key_id, 0.0):
+            used[row.key_id] = row.created_at
+    if used:
+        await store.mark_keys_used(used)
 
 
 async def serve_usage_writer(

@@ -371,6 +371,9 @@ def make_portal_app(
     ) -> Any:
         found = await scopes(signed)
         paths = {p.project.id: p.path for p in await store.list_tree()}
+        # The same last use as the admin API: the later of the stored value
+        # and the newest usage row.
+        last_used = await store.keys_last_used()
         shown = [
             {
                 "id": k.id,
@@ -379,7 +382,9 @@ def make_portal_app(
                 "where": f"project {paths.get(k.project_id, '?')}" if k.project_id else "personal",
                 "owner": k.owner or "—",
                 "created": _when(k.created_at),
-                "last_used": _when(k.last_used_at) if k.last_used_at else "never",
+                "last_used": _when(used)
+                if (used := last_used.get(k.id, k.last_used_at))
+                else "never",
                 "revoked": k.revoked_at is not None,
             }
             for k in reversed(await visible_keys(signed, found))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from llmgw.accounting.journal import (
 )
 from llmgw.accounting.usage import UsageWriter, serve_usage_writer
 from llmgw.errors import StoreError
-from llmgw.store import Store, UsageRow, open_sqlite_store
+from llmgw.store import KeyRecord, Store, UsageRow, open_sqlite_store
 
 
 def row(n: int) -> UsageRow:
@@ -158,6 +158,9 @@ class FailingStore:
             raise StoreError("the store is down")
         await self.inner.insert_usage(rows)
         self.stored.set()
+
+    async def mark_keys_used(self, used: Mapping[str, float]) -> None:
+        await self.inner.mark_keys_used(used)
 
 
 async def test_rows_wait_in_the_journal_while_the_store_fails(
@@ -348,3 +351,18 @@ async def test_write_at_once_puts_each_row_in_the_file_before_append_returns(
 def test_a_negative_sync_interval_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="sync_interval_s"):
         UsageJournal(tmp_path / "j", sync_interval_s=-1)
+
+
+async def test_a_flush_records_each_keys_newest_use_in_the_key(store: Store) -> None:
+    """Regression: the writer never called ``mark_keys_used``, so a key's
+    stored last use stayed empty (and read "never" once retention pruned)."""
+    made = "key_1"
+    await store.insert_key(
+        KeyRecord(id=made, name="k", key_hash="ab" * 32, prefix="sk-", created_at=1.0)
+    )
+    writer = UsageWriter(batch_size=2)
+    for n in (3, 5, 4):
+        assert writer.record(attrs.evolve(row(n), key_id=made)) is None
+    await writer.flush(store)
+    [stored] = [k for k in await store.list_keys() if k.id == made]
+    assert stored.last_used_at == row(5).created_at

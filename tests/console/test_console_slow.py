@@ -1,6 +1,7 @@
 """The console against an admin address that accepts connections and never
 answers (a hung control plane): keys are still taken at once, and the title
-bar says the control plane does not answer once the call's deadline passes."""
+bar says the control plane does not answer once the call's deadline passes;
+every screen's key bar fits 80 columns."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ async def _scenario() -> None:
             assert "did not answer" in (console.down or "")
             title = "".join(fragment[1] for fragment in console._title())
             assert "CONTROL PLANE NOT ANSWERING" in title
+            # Every screen's key bar fits an 80-column terminal (it was cut).
+            for n in range(8):
+                pipe.send_text(str(n + 1))
+                await _until(lambda n=n: console.screen == n, f"screen {n + 1}")
+                bar = "".join(fragment[1] for fragment in console._keybar())
+                assert len(bar) <= 80, bar
+                assert bar.endswith("q quit"), bar
         finally:
             pipe.send_text("\x03")
             await asyncio.wait_for(task, 30)

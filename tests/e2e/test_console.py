@@ -444,6 +444,10 @@ def test_the_node_console_works_with_the_control_plane_down(
             await d.panel_has("answers")
             await d.panel_has("alive")  # the sim engine the control plane placed here
             assert "node-a" in console.panel_text()
+            # The title fits an 80-column terminal, the time first (was cut).
+            title = "".join(fragment[1] for fragment in console._title())
+            assert len(title) <= 80, title
+            assert "updated" in title
             await asyncio.to_thread(up.stop)
             await d.panel_has("DOES NOT ANSWER")
             assert console.error is None

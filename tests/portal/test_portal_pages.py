@@ -6,6 +6,7 @@ running ``llmgw up`` are in ``tests/e2e/test_portal_security.py``."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from llmgw.control.cluster import Cluster
 from llmgw.portal.app import make_portal_app
 from llmgw.portal.assets import ASSETS, asset_url
 from llmgw.settings import AuthSettings
-from llmgw.store import Membership, ModelRecord, Store, open_sqlite_store
+from llmgw.store import Membership, ModelRecord, Store, UsageRow, open_sqlite_store
 from llmgw.store.records import Limits
 
 
@@ -270,3 +271,24 @@ async def test_tree_limits_form_refuses_bad_numbers_as_the_admin_api_does(site: 
     )
     answer = await client.post(action, form={"csrf": token, "rpm": "60"})
     assert answer.status_code in (302, 303), await answer.get_data(as_text=True)
+
+
+async def test_a_used_key_shows_its_last_use_like_the_admin_api(site: Site) -> None:
+    """Regression: the Keys page read only the stored last use (never set),
+    so a used key always said "never"."""
+    client = site.app.test_client()
+    await site.people.join("ada@example.com", password="ada password")
+    await _sign_in(client, "ada@example.com", "ada password")
+    token = _hidden(await (await client.get("/portal/keys")).get_data(as_text=True))
+    await client.post("/portal/keys", form={"name": "used", "csrf": token})
+    [key] = await site.store.list_keys()
+    before = await (await client.get("/portal/keys")).get_data(as_text=True)
+    assert "<td>never</td>" in before
+    used_at = 1_700_000_000.0
+    await site.store.insert_usage(
+        [UsageRow(request_id="req_1", created_at=used_at, key_id=key.id, model="m", status=200)]
+    )
+    after = await (await client.get("/portal/keys")).get_data(as_text=True)
+    assert "<td>never</td>" not in after
+    assert time.strftime("%Y-%m-%d %H:%M", time.gmtime(used_at)) in after
+    assert (await site.store.keys_last_used())[key.id] == used_at

@@ -304,14 +304,84 @@ def engine_command(sim_args: tuple[str, ...]) -> None:
         pass
 
 
+class _Streams(click.ParamType[list[int]]):
+    """A comma-separated list of whole numbers of at least 1."""
+
+    name = "N[,N…]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, list):
+            return value
+        try:
+            points = [int(part) for part in str(value).split(",") if part.strip()]
+        except ValueError:
+            self.fail(f"{value!r}: comma-separated whole numbers", param, ctx)
+        if not points or min(points) < 1:
+            self.fail(f"{value!r}: each number of streams must be at least 1", param, ctx)
+        return points
+
+
+class _HttpUrl(click.ParamType[str]):
+    """``http(s)://HOST:PORT[/…]``, checked before anything starts."""
+
+    name = "URL"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from urllib.parse import urlsplit
+
+        text = str(value)
+        try:
+            parts = urlsplit(text)
+            port = parts.port
+        except ValueError:
+            port = None
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port:
+            self.fail(f"{text!r}: expected http://HOST:PORT", param, ctx)
+        return text
+
+
+#: The bench gateway's modes (:data:`llmgw.bench.gateway.MODES`, not imported
+#: here so that ``--help`` stays fast; a test keeps the two equal).
+COMPARE_MODES = ("bare", "accounted", "unguarded", "observe", "portal")
+
+
 @bench.command("compare")
 @click.option(
-    "--concurrency", default="16,64,128", show_default=True, help="Streams, comma-separated."
+    "--concurrency",
+    type=_Streams(),
+    default="16,64,128",
+    show_default=True,
+    help="Streams, comma-separated.",
 )
-@click.option("--rounds", default=3, show_default=True, help="Runs of each system per point.")
-@click.option("--duration-s", default=10.0, show_default=True, help="Measured seconds per run.")
-@click.option("--warmup-s", default=1.0, show_default=True, help="Unmeasured seconds per run.")
-@click.option("--mode", default="accounted", show_default=True, help="llmgw's bench gateway mode.")
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Runs of each system per point.",
+)
+@click.option(
+    "--duration-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Measured seconds per run.",
+)
+@click.option(
+    "--warmup-s",
+    type=click.FloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Unmeasured seconds per run.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(COMPARE_MODES),
+    default="accounted",
+    show_default=True,
+    help="llmgw's bench gateway mode.",
+)
 @click.option(
     "--engine",
     type=click.Choice(["bench", "sim"]),
@@ -319,16 +389,23 @@ def engine_command(sim_args: tuple[str, ...]) -> None:
     show_default=True,
     help="bench: llmgw bench engine; sim: python -m llmgw.engines.sim.",
 )
-@click.option("--engine-url", default=None, help="A running engine instead (a real one).")
+@click.option(
+    "--engine-url", type=_HttpUrl(), default=None, help="A running engine instead (a real one)."
+)
 @click.option("--engine-key", default="", help="Its key.")
 @click.option("--model", default="bench-model", show_default=True, help="The engine's model.")
-@click.option("--gateway-url", default=None, help="An outside gateway in front of that engine.")
+@click.option(
+    "--gateway-url",
+    type=_HttpUrl(),
+    default=None,
+    help="An outside gateway in front of that engine.",
+)
 @click.option("--gateway-key", default="", help="Its key.")
 @click.option("--gateway-model", default=None, help="Its name for the model (default --model).")
 @click.option("--no-pin", is_flag=True, help="Do not pin llmgw and the engine to cores.")
 @_JSON
 def compare_command(
-    concurrency: str,
+    concurrency: list[int],
     rounds: int,
     duration_s: float,
     warmup_s: float,
@@ -343,15 +420,13 @@ def compare_command(
     no_pin: bool,
     as_json: bool,
 ) -> None:
-    """The engine alone, llmgw and an outside gateway side by side, alternated."""
-    from .compare import Outside, format_summary, run_compare, summarize
+    """The engine alone, llmgw and an outside gateway side by side, alternated.
 
-    try:
-        points = [int(part) for part in concurrency.split(",") if part.strip()]
-    except ValueError as exc:
-        raise click.BadParameter(
-            "comma-separated whole numbers", param_hint="--concurrency"
-        ) from exc
+    Exits 1 when a system answered no request at all (every request failed,
+    connection failures included)."""
+    from .compare import Outside, format_summary, run_compare, served_nothing, summarize
+
+    points = concurrency
     outside = Outside(gateway_url, gateway_key, gateway_model or model) if gateway_url else None
     rows = trio.run(
         lambda: run_compare(
@@ -373,3 +448,7 @@ def compare_command(
         _print_json({"runs": [row.to_json() for row in rows], "summary": summary})
     else:
         click.echo(format_summary(summary))
+    failed = served_nothing(rows)
+    if failed:
+        click.echo(f"error: no request answered by: {', '.join(failed)}", err=True)
+        raise SystemExit(1)

@@ -239,6 +239,13 @@ def summarize(rows: Sequence[CompareRow]) -> list[dict[str, Any]]:
     return out
 
 
+def served_nothing(rows: Sequence[CompareRow]) -> list[str]:
+    """The systems that answered no request in any of their runs (every
+    request failed, connection failures included), in table order."""
+    systems = sorted({row.system for row in rows}, key=lambda s: _order((0, s)))
+    return [s for s in systems if not any(r.result.requests for r in rows if r.system == s)]
+
+
 def _order(key: tuple[int, str]) -> tuple[int, int]:
     return key[0], [ENGINE_ALONE, LLMGW, OUTSIDE].index(key[1])
 

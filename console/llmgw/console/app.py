@@ -446,11 +446,7 @@ class Console:
             return [("class:keybar", hint)]
         if self.filter_active:
             return [("class:keybar", " type to filter  Enter/Esc done")]
-        help_ = SCREENS[self.screen].help
-        line = f" {help_ + '  ' if help_ else ''}Tab/1-8 screens  q quit"
-        if len(line) > 79:
-            line = f" {help_}  q quit"
-        return [("class:keybar", line)]
+        return [("class:keybar", keybar_line(SCREENS[self.screen].help))]
 
     def _dialog_container(self) -> AnyContainer:
         dialog = self.dialog
@@ -1069,6 +1065,19 @@ _LEVELS: Final = ("org", "team", "project")
 
 def _part(name: str) -> str:
     return quote(name, safe="")
+
+
+def keybar_line(help_: str) -> str:
+    """The key bar under a screen whose keys are ``help_``: at most 80
+    characters (the screen switch keys are left out when they do not fit)."""
+    line = f" {help_ + '  ' if help_ else ''}Tab/1-8 screens  q quit"
+    if len(line) > KEYBAR_WIDTH:
+        line = f" {help_}  q quit"
+    return line
+
+
+#: The key bar fits a terminal this wide.
+KEYBAR_WIDTH: Final = 80
 
 
 async def run_console(

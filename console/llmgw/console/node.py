@@ -115,6 +115,20 @@ def render_node(doc: dict[str, Any]) -> Panel:
     return panel
 
 
+#: The node console's title fits a terminal this wide.
+TITLE_WIDTH: Final = 80
+
+
+def node_title(socket_path: str, when: str) -> str:
+    """The title line: the time of the last read first, then the status
+    socket, cut from the left (``…``) so the line fits :data:`TITLE_WIDTH`."""
+    head = f" llmgw node  updated {when}  "
+    room = TITLE_WIDTH - len(head)
+    if len(socket_path) > room:
+        socket_path = "…" + socket_path[-(room - 1) :]
+    return head + socket_path
+
+
 class NodeConsole:
     """The node console on the status socket ``socket_path``; ``input`` and
     ``output`` as for :class:`~llmgw.console.app.Console`.
@@ -226,7 +240,7 @@ class NodeConsole:
         when = (
             "-" if self.read_at is None else time.strftime("%H:%M:%S", time.localtime(self.read_at))
         )
-        return [("class:title", f" llmgw node console  {self.socket_path}  updated {when}")]
+        return [("class:title", node_title(str(self.socket_path), when))]
 
     def _frame_title(self) -> str:
         if self.view == "settings":

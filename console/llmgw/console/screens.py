@@ -72,7 +72,8 @@ class Panel:
 @attrs.frozen
 class ScreenInfo:
     """A screen: its ``key`` (the digit that opens it), ``name``, the CLI
-    command that does the same (``cli``), and its keys (``help``)."""
+    command that does the same (``cli``; for the Manual, the ``docs/`` pages
+    of the checkout, which no command prints), and its keys (``help``)."""
 
     key: str
     name: str
@@ -86,7 +87,7 @@ SCREENS: Final = (
         "2",
         "Models",
         "llmgw ctl models",
-        "s scale  t stop/start  r restart  c context  x/X remove(+files)  n serve",
+        "s scale  t stop/start  r restart  c context  x/X remove/purge  n serve",
     ),
     ScreenInfo("3", "Nodes", "llmgw ctl nodes", "c cordon/uncordon  d drain  l logs"),
     ScreenInfo("4", "Replicas", "llmgw ctl replicas", "l logs of the replica"),
@@ -94,11 +95,11 @@ SCREENS: Final = (
         "5",
         "Keys",
         "llmgw keys list",
-        "c create  v revoke  o rotate  l limits (key, or org/team/project)  p period",
+        "c create  v revoke  o rotate  l limits (key/org/team/project)  p period",
     ),
     ScreenInfo("6", "Logs", "llmgw ctl logs NODE", "/ filter  f follow  [ ] source  n node"),
     ScreenInfo("7", "Settings", "llmgw ctl config", "Enter edit  h history"),
-    ScreenInfo("8", "Manual", "llmgw docs", "Enter open  Esc list  PgUp/PgDn"),
+    ScreenInfo("8", "Manual", "docs/*.md", "Enter open  Esc list  PgUp/PgDn"),
 )
 
 
