@@ -61,7 +61,8 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Final, NoReturn
 
@@ -344,37 +345,19 @@ class Supervisor:
             shard = self._new_shard(cmd)
             self._shards[cmd.shard_id] = shard
             if cmd.weights is not None:
-                try:
-                    reason, cmd = await self._fetch_weights(shard, cmd, nursery)
-                except BaseException:
-                    if self._shards.get(cmd.shard_id) is shard:
-                        del self._shards[cmd.shard_id]
-                    shard.state = ShardState.STOPPED
-                    shard.done.set()
-                    raise
-                if shard.ending:  # stopped while fetching; the stop reports it
-                    shard.done.set()
+                fetch = partial(self._fetch_weights, shard, cmd, nursery)
+                fetched = await self._before_spawn(shard, cmd, fetch)
+                if fetched is None:
                     return
-                if reason:
-                    await self._fail_to_start(shard, reason, cmd.correlation_id)
-                    return
+                cmd = fetched
             profile = cmd.profile
             if profile.model_sha256 and profile.model_path:
-                try:
-                    reason = await self._check_weights(shard, cmd)
-                except BaseException:
-                    # Cancelled (the link went away): forget this start, so
-                    # that the next StartShard starts afresh.
-                    if self._shards.get(cmd.shard_id) is shard:
-                        del self._shards[cmd.shard_id]
-                    shard.state = ShardState.STOPPED
-                    shard.done.set()
-                    raise
-                if shard.ending:  # stopped while checking; the stop reports it
-                    shard.done.set()
-                    return
-                if reason:
-                    await self._fail_to_start(shard, reason, cmd.correlation_id)
+                checked = cmd
+
+                async def check() -> tuple[str, protocol.StartShard]:
+                    return await self._check_weights(shard, checked), checked
+
+                if await self._before_spawn(shard, cmd, check) is None:
                     return
             with trio.CancelScope(shield=True):  # never lose a started process
                 reason = await self._spawn(shard, cmd)
@@ -534,6 +517,34 @@ class Supervisor:
             progress_at=now,
             boot_id=boot_id(),
         )
+
+    async def _before_spawn(
+        self,
+        shard: _Shard,
+        cmd: protocol.StartShard,
+        step: Callable[[], Awaitable[tuple[str, protocol.StartShard]]],
+    ) -> protocol.StartShard | None:
+        """Run one step before the engine starts (fetching or checking the
+        weights): ``step`` gives the reason it failed (or ``""``) and the
+        command to go on with. Returns that command, or ``None`` when the
+        start ends here: stopped meanwhile (the stop reports it) or failed
+        (reported here). Cancelled (the link went away): the start is
+        forgotten, so that the next ``StartShard`` starts afresh."""
+        try:
+            reason, cmd = await step()
+        except BaseException:
+            if self._shards.get(cmd.shard_id) is shard:
+                del self._shards[cmd.shard_id]
+            shard.state = ShardState.STOPPED
+            shard.done.set()
+            raise
+        if shard.ending:
+            shard.done.set()
+            return None
+        if reason:
+            await self._fail_to_start(shard, reason, cmd.correlation_id)
+            return None
+        return cmd
 
     async def _fail_to_start(self, shard: _Shard, reason: str, correlation_id: str) -> None:
         shard.ending = True
