@@ -13,6 +13,8 @@ from urllib.parse import quote
 
 import click
 
+from llmgw.console.format import table
+
 __all__ = [
     "DEFAULT_DATA_DIR",
     "ago",
@@ -101,17 +103,9 @@ def path_part(name: str) -> str:
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Columns padded to their widest cell, two spaces apart; the last column
-    is not padded. ``None`` prints as ``-``."""
-    cells = [[("-" if c is None else str(c)) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        for at, cell in enumerate(row):
-            widths[at] = max(widths[at], len(cell))
-    lines = []
-    for row in [list(headers), *cells]:
-        padded = [cell.ljust(widths[at]) for at, cell in enumerate(row[:-1])]
-        lines.append("  ".join([*padded, row[-1]]).rstrip())
-    return "\n".join(lines)
+    is not padded. ``None`` prints as ``-``. The console's tables, as one
+    text (:func:`llmgw.console.format.table`)."""
+    return "\n".join(table(headers, rows))
 
 
 def ago(at: float | None) -> str:
