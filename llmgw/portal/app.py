@@ -121,6 +121,12 @@ def make_portal_app(
     def secure() -> bool:
         return request.scheme == "https"
 
+    def set_form_cookie(response: Any, token: str, path: str) -> None:
+        """The sign-in or sign-up form's CSRF cookie, for its own path only."""
+        response.set_cookie(
+            _SIGNIN_COOKIE, token, httponly=True, samesite="Strict", secure=secure(), path=path
+        )
+
     async def signed_in() -> SignedIn:
         token = request.cookies.get(SESSION_COOKIE, "")
         found = await people.session(token)
@@ -220,14 +226,7 @@ def make_portal_app(
                 signup_open=cluster.settings.auth.signup_open,
             )
             response.status_code = status
-            response.set_cookie(
-                _SIGNIN_COOKIE,
-                token,
-                httponly=True,
-                samesite="Strict",
-                secure=secure(),
-                path="/portal/sign-in",
-            )
+            set_form_cookie(response, token, "/portal/sign-in")
             return response
 
         return render()
@@ -282,14 +281,7 @@ def make_portal_app(
                 "sign_up.html", "Sign up", signin_csrf=token, message=message, error=error
             )
             response.status_code = status
-            response.set_cookie(
-                _SIGNIN_COOKIE,
-                token,
-                httponly=True,
-                samesite="Strict",
-                secure=secure(),
-                path="/portal/sign-up",
-            )
+            set_form_cookie(response, token, "/portal/sign-up")
             return response
 
         return render()
