@@ -684,12 +684,7 @@ async def restore_budgets(store: Store, accountant: Accountant) -> None:
         StoreError: the store cannot be read.
     """
     now = time.time()
-    spend: dict[tuple[str, str], int] = {}
-    for period in ("day", "month"):
-        since = period_start(period, now)
-        for scope, micros in (await store.spend_since_by_scope(since)).items():
-            spend[(scope, period)] = micros
-    accountant.restore(spend, now)
+    accountant.restore(await _stored_spend(store, now), now)
 
 
 async def catch_up_budgets(store: Store, accountant: Accountant) -> None:
@@ -702,9 +697,15 @@ async def catch_up_budgets(store: Store, accountant: Accountant) -> None:
         StoreError: the store cannot be read.
     """
     now = time.time()
+    accountant.catch_up(await _stored_spend(store, now), now)
+
+
+async def _stored_spend(store: Store, now: float) -> dict[tuple[str, str], int]:
+    """The store's spend of this day and month, in micro-units, by
+    ``(scope, "day" | "month")``."""
     spend: dict[tuple[str, str], int] = {}
     for period in ("day", "month"):
         since = period_start(period, now)
         for scope, micros in (await store.spend_since_by_scope(since)).items():
             spend[(scope, period)] = micros
-    accountant.catch_up(spend, now)
+    return spend
