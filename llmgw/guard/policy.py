@@ -185,11 +185,14 @@ class Guards:
             return None
         built = self._built.get(names)
         if built is None:
-            if len(self._built) > 10_000:
-                self._built.clear()
             built = build_guard(names, [guard.policy(name) for name in names])
-            self._built[names] = built
+            self._keep(names, built)
         return built if built.active else None
+
+    def _keep(self, names: tuple[str, ...], built: Guard) -> None:
+        if len(self._built) > 10_000:
+            self._built.clear()
+        self._built[names] = built
 
     async def for_request_async(
         self,
@@ -209,8 +212,9 @@ class Guards:
             names = policy_names(guard, key_id, scope_ids, scope_names)
             if not names:
                 return None
-            if names in self._built:
-                return self.for_request(guard, key_id, scope_ids, scope_names)
+            built = self._built.get(names)
+            if built is not None:
+                return built if built.active else None
             pending = self._building.get(names)
             if pending is not None:
                 await pending.wait()
@@ -224,7 +228,5 @@ class Guards:
                 del self._building[names]
                 pending.set()
             if guard is self._settings:
-                if len(self._built) > 10_000:
-                    self._built.clear()
-                self._built[names] = built
+                self._keep(names, built)
             return built if built.active else None
