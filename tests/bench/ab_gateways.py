@@ -17,7 +17,11 @@ bench gateway --mode MODE`` (from that checkout's ``.venv``) pinned to core
 threads and children) over the whole load run is divided by its requests.
 ``--direct`` also runs the engine alone each round. Prints one JSON line per
 run and a summary (``after / before`` of the summed CPU per request, per
-pair). ``--profile NAME`` records that system with py-spy (``py-spy`` on
+pair). ``--engine-url URL --engine-key KEY --model NAME`` put the gateways
+in front of an engine already running instead (a real one, e.g. the
+llama.cpp engine of ``llmgw up``; ``--engine-pid`` adds its CPU), and
+``--max-tokens`` sets each request's ``max_tokens``; every row also has
+streamed tokens/s and the gateway's CPU per streamed token. ``--profile NAME`` records that system with py-spy (``py-spy`` on
 ``PATH``) into ``--out``. Not a pytest test (no ``test_`` prefix); loopback
 only; every step bounded in time. Figures in ``docs/performance.md``.
 """
@@ -54,13 +58,19 @@ def _cpu_s(pid: int) -> float:
     return total
 
 
+def _engine_cpu_s(pid: int) -> float:
+    """The engine's CPU seconds; 0 when its pid is not known (an outside engine)."""
+    return _cpu_s(pid) if pid else 0.0
+
+
 def _pinned(core: int, argv: list[str]) -> list[str]:
     return ["taskset", "-c", str(core), *argv] if shutil.which("taskset") else argv
 
 
 def _load(llmgw: str, url: str, key: str, args: argparse.Namespace, seconds: float) -> Any:
     shape = ["--rate", str(args.rate)] if args.rate else ["--concurrency", str(args.concurrency)]
-    argv = [llmgw, "bench", "load", "--url", url, "--key", key, "--model", MODEL, *shape]
+    argv = [llmgw, "bench", "load", "--url", url, "--key", key, "--model", args.model, *shape]
+    argv += ["--max-tokens", str(args.max_tokens)]
     argv += ["--duration-s", str(seconds), "--warmup-s", "1" if seconds > 1 else "0", "--json"]
     out = subprocess.run(
         _pinned(1, argv), capture_output=True, text=True, timeout=STEP_TIMEOUT_S, check=False
@@ -80,6 +90,11 @@ def main() -> None:
     parser.add_argument("--direct", action="store_true")
     parser.add_argument("--profile", default="")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--engine-url", default="", help="an engine already running")
+    parser.add_argument("--engine-key", default=ENGINE_KEY)
+    parser.add_argument("--engine-pid", type=int, default=0, help="its pid, for its CPU")
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     systems = [
         (name, Path(root).resolve())
@@ -92,26 +107,35 @@ def main() -> None:
         engine_argv = [llmgw, "bench", "engine"]
     engine_argv += ["--host", "127.0.0.1", "--port", "0", "--model", MODEL]
     engine_argv += ["--tokens", "64", "--tokens-per-second", "500"]
-    engine = subprocess.Popen(
-        _pinned(1, engine_argv),
-        env={**os.environ, "LLAMA_API_KEY": ENGINE_KEY},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    engine: subprocess.Popen[str] | None = None
+    engine_pid = args.engine_pid
+    if not args.engine_url:
+        engine = subprocess.Popen(
+            _pinned(1, engine_argv),
+            env={**os.environ, "LLAMA_API_KEY": ENGINE_KEY},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        engine_pid = engine.pid
     rows: list[dict[str, Any]] = []
     try:
-        assert engine.stdout is not None
-        engine_url = "http://" + engine.stdout.readline().split(" listening on ", 1)[1].split()[0]
+        if engine is not None:
+            assert engine.stdout is not None
+            line = engine.stdout.readline()
+            engine_url = "http://" + line.split(" listening on ", 1)[1].split()[0]
+        else:
+            engine_url = args.engine_url
         print(json.dumps({"engine": engine_url, "load": os.getloadavg()}), flush=True)
         for round_ in range(args.rounds):
             order = systems if round_ % 2 == 0 else systems[::-1]
             runs: list[tuple[str, Path | None]] = [("engine alone", None)] if args.direct else []
             for name, root in [*runs, *order]:
-                rows.append(_run(name, root, round_, engine, engine_url, llmgw, args))
+                rows.append(_run(name, root, round_, engine_pid, engine_url, llmgw, args))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
-        engine.terminate()
-        engine.wait(timeout=STEP_TIMEOUT_S)
+        if engine is not None:
+            engine.terminate()
+            engine.wait(timeout=STEP_TIMEOUT_S)
     sums: dict[str, list[float]] = {}
     for row in rows:
         if row.get("gateway_ms_per_request") is not None:
@@ -127,20 +151,21 @@ def _run(
     name: str,
     root: Path | None,
     round_: int,
-    engine: subprocess.Popen[str],
+    engine_pid: int,
     engine_url: str,
     llmgw: str,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     if root is None:
-        engine_before, started = _cpu_s(engine.pid), time.time()
-        result = _load(llmgw, engine_url, ENGINE_KEY, args, args.duration_s)
+        engine_before, started = _engine_cpu_s(engine_pid), time.time()
+        result = _load(llmgw, engine_url, args.engine_key, args, args.duration_s)
         wall = time.time() - started
         gateway_cpu = None
     else:
         data_dir = tempfile.mkdtemp(prefix="ab-gateway-")
         argv = [str(root / ".venv" / "bin" / "llmgw"), "bench", "gateway"]
-        argv += ["--engine-url", engine_url, "--engine-key", ENGINE_KEY, "--model", MODEL]
+        argv += ["--engine-url", engine_url, "--engine-key", args.engine_key]
+        argv += ["--model", args.model]
         argv += ["--mode", args.mode, "--data-dir", data_dir]
         gateway = subprocess.Popen(_pinned(0, argv), stdout=subprocess.PIPE, text=True)
         try:
@@ -158,7 +183,11 @@ def _run(
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
-            before, engine_before, started = _cpu_s(gateway.pid), _cpu_s(engine.pid), time.time()
+            before, engine_before, started = (
+                _cpu_s(gateway.pid),
+                _engine_cpu_s(engine_pid),
+                time.time(),
+            )
             result = _load(llmgw, url, info["key"], args, args.duration_s)
             wall = time.time() - started
             gateway_cpu = _cpu_s(gateway.pid) - before
@@ -168,8 +197,9 @@ def _run(
             gateway.terminate()
             gateway.wait(timeout=STEP_TIMEOUT_S)
             shutil.rmtree(data_dir, ignore_errors=True)
-    engine_cpu = _cpu_s(engine.pid) - engine_before
+    engine_cpu = _engine_cpu_s(engine_pid) - engine_before
     rate = result["requests_per_s"] or 1.0
+    tokens = result.get("tokens_per_s") or 1.0
     return {
         "round": round_,
         "system": name,
@@ -181,7 +211,11 @@ def _run(
         "gateway_ms_per_request": None
         if gateway_cpu is None
         else round(gateway_cpu / wall / rate * 1000, 3),
-        "engine_ms_per_request": round(engine_cpu / wall / rate * 1000, 3),
+        "tokens_per_s": result.get("tokens_per_s"),
+        "gateway_ms_per_token": None
+        if gateway_cpu is None
+        else round(gateway_cpu / wall / tokens * 1000, 4),
+        "engine_ms_per_request": round(engine_cpu / wall / rate * 1000, 3) if engine_pid else None,
         "load_average": os.getloadavg()[0],
     }
 
