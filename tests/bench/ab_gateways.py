@@ -20,7 +20,8 @@ run and a summary (``after / before`` of the summed CPU per request, per
 pair). ``--engine-url URL --engine-key KEY --model NAME`` put the gateways
 in front of an engine already running instead (a real one, e.g. the
 llama.cpp engine of ``llmgw up``; ``--engine-pid`` adds its CPU), and
-``--max-tokens`` sets each request's ``max_tokens``; every row also has
+``--max-tokens`` sets each request's ``max_tokens`` (``--extra-body
+'{"ignore_eos": true}'`` makes llama.cpp write all of them); every row also has
 streamed tokens/s and the gateway's CPU per streamed token. ``--profile NAME`` records that system with py-spy (``py-spy`` on
 ``PATH``) into ``--out``. Not a pytest test (no ``test_`` prefix); loopback
 only; every step bounded in time. Figures in ``docs/performance.md``.
@@ -70,7 +71,7 @@ def _pinned(core: int, argv: list[str]) -> list[str]:
 def _load(llmgw: str, url: str, key: str, args: argparse.Namespace, seconds: float) -> Any:
     shape = ["--rate", str(args.rate)] if args.rate else ["--concurrency", str(args.concurrency)]
     argv = [llmgw, "bench", "load", "--url", url, "--key", key, "--model", args.model, *shape]
-    argv += ["--max-tokens", str(args.max_tokens)]
+    argv += ["--max-tokens", str(args.max_tokens), "--extra-body", args.extra_body]
     argv += ["--duration-s", str(seconds), "--warmup-s", "1" if seconds > 1 else "0", "--json"]
     out = subprocess.run(
         _pinned(1, argv), capture_output=True, text=True, timeout=STEP_TIMEOUT_S, check=False
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--engine-pid", type=int, default=0, help="its pid, for its CPU")
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--extra-body", default="{}", help="more JSON fields of each request")
     args = parser.parse_args()
     systems = [
         (name, Path(root).resolve())

@@ -16,7 +16,7 @@ import trio
 from click.testing import CliRunner
 
 from llmgw.bench.cli import load_command
-from llmgw.bench.load import LoadConfig, run_load
+from llmgw.bench.load import LoadConfig, _RequestMaker, _Target, run_load
 from llmgw.bench.response import (
     ChunkedDecoder,
     HttpProtocolError,
@@ -252,6 +252,26 @@ def test_config_wants_exactly_one_shape_of_load() -> None:
         LoadConfig(url=url, model="m", rate_per_s=math.inf)
     with pytest.raises(ValueError, match="duration_s must be"):
         LoadConfig(url=url, model="m", concurrency=1, duration_s=math.nan)
+    with pytest.raises(ValueError, match="may not set messages, stream"):
+        LoadConfig(url=url, model="m", concurrency=1, extra_body={"stream": False, "messages": []})
+
+
+def test_extra_body_fields_are_in_every_request() -> None:
+    config = LoadConfig(
+        url="http://127.0.0.1:9", model="m", concurrency=1, extra_body={"ignore_eos": True}
+    )
+    made = _RequestMaker(config, _Target.parse(config.url)).make(7)
+    head, body = made.split(b"\r\n\r\n", 1)
+    assert b"content-length: %d" % len(body) in head.lower()
+    doc = orjson.loads(body)
+    assert doc["ignore_eos"] is True
+    assert (doc["model"], doc["stream"], doc["max_tokens"]) == ("m", True, 64)
+    runner = CliRunner()
+    refused = runner.invoke(
+        load_command, ["--url", "http://127.0.0.1:9", "--concurrency", "1", "--extra-body", "[1]"]
+    )
+    assert refused.exit_code == 2
+    assert "give a JSON object" in refused.output
 
 
 # -- runs against the sim engine ----------------------------------------------------

@@ -61,6 +61,12 @@ def bench() -> None:
 @click.option(
     "--timeout-s", default=30.0, show_default=True, help="Deadline of each request, in seconds."
 )
+@click.option(
+    "--extra-body",
+    default="{}",
+    show_default=True,
+    help="More JSON fields of each request, e.g. '{\"ignore_eos\": true}'.",
+)
 @_JSON
 def load_command(
     url: str,
@@ -73,6 +79,7 @@ def load_command(
     prompt_words: int,
     max_tokens: int,
     timeout_s: float,
+    extra_body: str,
     as_json: bool,
 ) -> None:
     """Streamed chat completions against an OpenAI-compatible server.
@@ -83,6 +90,12 @@ def load_command(
     """
     if (concurrency is None) == (rate is None):
         raise click.UsageError("give one of --concurrency and --rate")
+    try:
+        extra = orjson.loads(extra_body)
+    except orjson.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--extra-body") from None
+    if not isinstance(extra, dict):
+        raise click.BadParameter("give a JSON object", param_hint="--extra-body")
     try:
         config = LoadConfig(
             url=url,
@@ -95,6 +108,7 @@ def load_command(
             prompt_words=prompt_words,
             max_tokens=max_tokens,
             request_timeout_s=timeout_s,
+            extra_body=extra,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -36,6 +36,7 @@ import math
 import os
 import selectors
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
@@ -120,12 +121,18 @@ class LoadConfig:
             number).
         max_tokens: the request's ``max_tokens``.
         include_usage: ask for ``stream_options.include_usage``.
+        extra_body: more fields of each request's JSON body (e.g.
+            ``{"ignore_eos": true}`` for an engine that takes it, so every
+            answer is ``max_tokens`` long); they may not replace ``model``,
+            ``messages`` or ``stream``.
         request_timeout_s: each request's deadline, in seconds; a request
             past it is a ``timeout`` error.
 
     Raises:
         ValueError: both or neither of ``concurrency`` and ``rate_per_s``,
-            a value out of range, or a URL that is not ``http://``.
+            a value out of range, a URL that is not ``http://``, or an
+            ``extra_body`` field that would replace ``model``, ``messages``
+            or ``stream``.
     """
 
     url: str
@@ -138,6 +145,7 @@ class LoadConfig:
     prompt_words: int = attrs.field(default=16, validator=_positive)
     max_tokens: int = attrs.field(default=64, validator=_positive)
     include_usage: bool = True
+    extra_body: Mapping[str, Any] = attrs.field(factory=dict)
     request_timeout_s: float = attrs.field(default=30.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
@@ -148,6 +156,9 @@ class LoadConfig:
         if self.rate_per_s is not None and not 0 < self.rate_per_s <= MAX_RATE_PER_S:
             raise ValueError(f"rate_per_s must be over 0 and at most {MAX_RATE_PER_S:g}")
         _Target.parse(self.url)
+        kept = sorted({"model", "messages", "stream"} & set(self.extra_body))
+        if kept:
+            raise ValueError(f"extra_body may not set {', '.join(kept)}")
 
 
 # -- the requests -------------------------------------------------------------------
@@ -192,6 +203,7 @@ class _RequestMaker:
         }
         if config.include_usage:
             doc["stream_options"] = {"include_usage": True}
+        doc.update(config.extra_body)
         body = orjson.dumps(doc)
         at = body.index(b'"content":"' + _ID_PLACEHOLDER.encode()) + len(b'"content":"')
         lines = [
