@@ -20,6 +20,8 @@ run and a summary (``after / before`` of the summed CPU per request, per
 pair). ``--engine-url URL --engine-key KEY --model NAME`` put the gateways
 in front of an engine already running instead (a real one, e.g. the
 llama.cpp engine of ``llmgw up``; ``--engine-pid`` adds its CPU), and
+A system given as ``NAME=PATH@MODE`` runs in that mode instead of
+``--mode`` (``off=.@unguarded,on=.@observe``: two modes of one checkout).
 ``--max-tokens`` sets each request's ``max_tokens`` (``--extra-body
 '{"ignore_eos": true}'`` makes llama.cpp write all of them); every row also has
 streamed tokens/s and the gateway's CPU per streamed token. ``--profile NAME`` records that system with py-spy (``py-spy`` on
@@ -98,8 +100,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--extra-body", default="{}", help="more JSON fields of each request")
     args = parser.parse_args()
+    # NAME=PATH, or NAME=PATH@MODE for a mode of its own (two modes of one checkout).
     systems = [
-        (name, Path(root).resolve())
+        (name, Path(root.partition("@")[0]).resolve(), root.partition("@")[2] or args.mode)
         for name, root in (s.split("=") for s in args.systems.split(","))
     ]
     here = Path.cwd() / ".venv" / "bin"
@@ -130,9 +133,11 @@ def main() -> None:
         print(json.dumps({"engine": engine_url, "load": os.getloadavg()}), flush=True)
         for round_ in range(args.rounds):
             order = systems if round_ % 2 == 0 else systems[::-1]
-            runs: list[tuple[str, Path | None]] = [("engine alone", None)] if args.direct else []
-            for name, root in [*runs, *order]:
-                rows.append(_run(name, root, round_, engine_pid, engine_url, llmgw, args))
+            runs: list[tuple[str, Path | None, str]] = (
+                [("engine alone", None, "")] if args.direct else []
+            )
+            for name, root, mode in [*runs, *order]:
+                rows.append(_run(name, root, mode, round_, engine_pid, engine_url, llmgw, args))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if engine is not None:
@@ -142,8 +147,8 @@ def main() -> None:
     for row in rows:
         if row.get("gateway_ms_per_request") is not None:
             sums.setdefault(row["system"], []).append(row["gateway_ms_per_request"])
-    if len(systems) == 2 and all(name in sums for name, _ in systems):
-        (first, _), (second, _) = systems
+    if len(systems) == 2 and all(name in sums for name, _, _ in systems):
+        (first, _, _), (second, _, _) = systems
         pairs = [round(b / a, 3) for a, b in zip(sums[first], sums[second], strict=False)]
         ratio = sum(sums[second]) / sum(sums[first])
         print(json.dumps({f"{second} / {first}": round(ratio, 3), "pairs": pairs}))
@@ -152,6 +157,7 @@ def main() -> None:
 def _run(
     name: str,
     root: Path | None,
+    mode: str,
     round_: int,
     engine_pid: int,
     engine_url: str,
@@ -168,7 +174,7 @@ def _run(
         argv = [str(root / ".venv" / "bin" / "llmgw"), "bench", "gateway"]
         argv += ["--engine-url", engine_url, "--engine-key", args.engine_key]
         argv += ["--model", args.model]
-        argv += ["--mode", args.mode, "--data-dir", data_dir]
+        argv += ["--mode", mode, "--data-dir", data_dir]
         gateway = subprocess.Popen(_pinned(0, argv), stdout=subprocess.PIPE, text=True)
         try:
             assert gateway.stdout is not None
@@ -205,6 +211,7 @@ def _run(
     return {
         "round": round_,
         "system": name,
+        "mode": mode,
         "requests_per_s": result["requests_per_s"],
         "errors": result["errors"],
         "ttft_ms": result["ttft_ms"],
