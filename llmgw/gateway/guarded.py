@@ -529,17 +529,6 @@ def _delta_text(choice: dict[str, Any]) -> str:
     return out
 
 
-def _silenced(choice: dict[str, Any]) -> None:
-    """Drop a stopped choice's text, tool calls and end from a stream event."""
-    delta = choice.get("delta")
-    if isinstance(delta, dict):
-        delta.pop("content", None)
-        delta.pop("tool_calls", None)
-    else:
-        choice.pop("text", None)
-    choice["finish_reason"] = None
-
-
 #: Sends what the callable gives, at once, between the relay's own writes
 #: (the callable runs under the relay's send lock).
 Emit = Callable[[Callable[[], bytes]], Awaitable[None]]
@@ -627,6 +616,12 @@ class JudgedStream:
             ends = doc == DONE
             choices = doc.get("choices") if isinstance(doc, dict) else None
             if isinstance(choices, list):
+                if self.stopped and choices:
+                    # Stopped: the engine's later text and ends are dropped
+                    # (its usage still read).
+                    if "usage" not in doc:
+                        continue
+                    doc["choices"] = choices = []
                 if not choices and "usage" in doc:
                     ends = True
                 for choice in choices:
@@ -634,9 +629,6 @@ class JudgedStream:
                         continue
                     index = _index(choice)
                     text = _delta_text(choice)
-                    if self.stopped:
-                        _silenced(choice)
-                        continue
                     self._open.add(index)
                     if text:
                         self._window(index, text)
@@ -678,10 +670,10 @@ class JudgedStream:
         docs = self._stops() if self.stopped else []
         for doc in held:
             choices = doc.get("choices") if isinstance(doc, dict) else None
-            if self.stopped and isinstance(choices, list):
-                for choice in choices:
-                    if isinstance(choice, dict):
-                        _silenced(choice)
+            if self.stopped and isinstance(choices, list) and choices:
+                if "usage" not in doc:
+                    continue
+                doc["choices"] = []
             docs.append(doc)
         out = self._shape.feed_docs(docs) if docs else b""
         return out + self._shape.finish()

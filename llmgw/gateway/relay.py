@@ -268,7 +268,9 @@ class Relay:
                 guard = _output_guard(request, outcome)
                 if guard is not None and isinstance(whole, dict) and guard_answer(whole, guard):
                     data = orjson.dumps(whole)
-                refusal = await self._judge_answer(request, outcome, whole)
+                refusal = None
+                if request.guard is not None and request.guard.judges_output:
+                    refusal = await self._judge_answer(request, outcome, whole)
                 if refusal is not None:
                     status = refusal.status
                     data = error_body_for(refusal, kind)
