@@ -322,7 +322,7 @@ class Relay:
             outcome.finish(status)
             outcome.usage = usage
             await answer(send, status, data, extra, content_type=content_type)
-            if status == 200 and keep is not None:
+            if status == 200 and keep is not None and not _unjudged(outcome):
                 self._caching.keep(keep, content_type[1], data, stream=False)
         except UpstreamError as exc:
             log.warning("answer from %s broke off: %s", endpoint.label, describe(exc))
@@ -550,12 +550,19 @@ class Relay:
                 kept is not None
                 and keep is not None
                 and not judged.stopped
-                and (verdict is None or "judge:unavailable" not in verdict.actions)
+                and not _unjudged(outcome)
             ):
                 self._caching.keep(keep, SSE[1], b"".join(kept), stream=True)
         finally:
             # Counted even when the answer was cut short or refused.
             outcome.usage = _stream_usage(request, shape)
+
+
+def _unjudged(outcome: Outcome) -> bool:
+    """The judge gave no verdict (served under ``fail: open``): such an
+    answer is not kept in the answer cache."""
+    verdict = outcome.verdict
+    return verdict is not None and "judge:unavailable" in verdict.actions
 
 
 def _stream_usage(request: Request, shape: _StreamShape) -> Usage | None:
