@@ -274,6 +274,18 @@ def test_streams_are_judged_in_windows_while_they_flow(
     said = "".join(b.text for b in final.content if b.type == "text")
     assert "tok399" not in said
 
+    events = list(
+        client.responses.create(
+            model=WRITER, input=f"go {uuid.uuid4().hex}", max_output_tokens=400, stream=True
+        )
+    )
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.incomplete_details is not None
+    assert last.response.incomplete_details.reason == "content_filter"
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "tok399" not in deltas
+
     # A short safe answer: its end comes after its one partial window is judged.
     safe = list(
         client.chat.completions.create(model=MODEL, messages=_fresh(), max_tokens=5, stream=True)

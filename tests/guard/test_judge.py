@@ -19,7 +19,7 @@ from llmgw.gateway.guarded import JudgedStream
 from llmgw.gateway.sse import SseRelay
 from llmgw.guard import ContentFiltered, Verdict
 from llmgw.guard.judge import CACHE_TTL_S, Judge, JudgeVerdict, parse_reply, pieces
-from llmgw.settings import GuardJudge
+from llmgw.settings import GuardJudge, SettingsError, settings_from_doc
 
 
 def test_replies_are_read_per_format() -> None:
@@ -230,3 +230,16 @@ def test_the_sim_engine_takes_scripted_replies() -> None:
     assert config.replies == (("bomb", "Safety: Unsafe"), ("", "x=y"))
     with pytest.raises(SystemExit):
         parse_sim_args(["--port", "0", "--model", "j", "--reply", "no answer"])
+
+
+def test_a_policys_stream_field_is_checked_with_its_path() -> None:
+    doc = {"guard": {"policies": {"p": {"stream": {"buffer_all": True}}}}}
+    assert settings_from_doc(doc).guard.policies["p"].stream.buffer_all
+    for bad, said in (
+        ({"buffer": True}, "buffer"),
+        ({"buffer_all": "yes"}, "buffer_all"),
+    ):
+        with pytest.raises(SettingsError) as caught:
+            settings_from_doc({"guard": {"policies": {"p": {"stream": bad}}}})
+        assert said in str(caught.value)
+        assert ".guard.policies['p'].stream" in str(caught.value)
