@@ -64,6 +64,7 @@ __all__ = [
     "GuardPolicy",
     "GuardRules",
     "GuardSettings",
+    "GuardStream",
     "HaSettings",
     "NodesSettings",
     "OnDemandSettings",
@@ -472,15 +473,30 @@ class GuardJudge:
 
 
 @attrs.frozen(kw_only=True)
+class GuardStream:
+    """How a policy's judge treats streamed answers.
+
+    Attributes:
+        buffer_all: send nothing of a stream before the judge's verdict on
+            the whole answer (otherwise text goes out as it comes and is
+            judged in windows of 600 characters).
+    """
+
+    buffer_all: bool = False
+
+
+@attrs.frozen(kw_only=True)
 class GuardPolicy:
     """A named policy: its ``input`` and ``output`` rules; ``no_store``
     keeps the request out of the answer cache; ``judge`` a model asked
-    whether the text is safe (none by default)."""
+    whether the text is safe (none by default); ``stream`` how the judge
+    treats streamed answers."""
 
     input: GuardRules = attrs.field(factory=GuardRules)
     output: GuardRules = attrs.field(factory=GuardRules)
     no_store: bool = False
     judge: GuardJudge = attrs.field(factory=GuardJudge)
+    stream: GuardStream = attrs.field(factory=GuardStream)
 
 
 #: The built-in policies, always defined (a policy of the same name in

@@ -112,6 +112,7 @@ class Completions:
         self._resolver = resolver
         self._guards = Guards()
         self._judge = PromptJudge(router, relay)
+        relay.judging = self._judge  # the judge on answers shares its verdict cache
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
         """Answer one request of ``kind`` (a value of :data:`ROUTES`)."""

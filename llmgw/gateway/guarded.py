@@ -14,22 +14,35 @@ the engine's later text for it is dropped, its usage still counted.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, Protocol
 
 import orjson
+import trio
 
 from llmgw import errors
+from llmgw.errors import LlmgwError
 from llmgw.guard import ContentFiltered, Guard, Verdict
-from llmgw.guard.judge import Judge, JudgeUnavailable
+from llmgw.guard.judge import STREAM_WINDOW_CHARS, Judge, JudgeUnavailable, JudgeVerdict
 from llmgw.guard.output import OutputGuard
 from llmgw.router.router import Router
+from llmgw.settings import GuardJudge
 from llmgw.store import ModelRecord
 
 from .chat_stream import DONE, ChatChunkReader
 from .sse import SseRelay, Usage
 from .upstream import UpstreamError
 
-__all__ = ["DocShape", "GuardedStream", "JudgeAsk", "PromptJudge", "guard_answer"]
+__all__ = [
+    "UNAVAILABLE",
+    "DocShape",
+    "GuardedStream",
+    "JudgeAsk",
+    "JudgedStream",
+    "PromptJudge",
+    "guard_answer",
+    "record_verdict",
+]
 
 CONTENT_FILTER = "content_filter"
 
@@ -92,9 +105,12 @@ class DocShape(Protocol):
     """A stream's shape that also takes parsed events (:class:`SseRelay`,
     the translators)."""
 
-    usage: Usage | None
-    content_chunks: int
-    done: bool
+    @property
+    def usage(self) -> Usage | None: ...
+    @property
+    def content_chunks(self) -> int: ...
+    @property
+    def done(self) -> bool: ...
 
     def feed(self, data: bytes) -> bytes: ...
     def feed_docs(self, docs: list[Any]) -> bytes: ...
@@ -294,7 +310,7 @@ class JudgeAsk:
     """Asks a judge model over the gateway's pooled connections, on the
     gateway's own account (no client key, no usage row, no limits): each
     call to the least busy ready replica not yet ``tried`` (the hedge to
-    another one than the first call).
+    another one than the first call), equals taken in turn.
 
     Raises (when called):
         LlmgwError: no such model, no (other) ready replica, the replica
@@ -304,6 +320,7 @@ class JudgeAsk:
     def __init__(self, router: Router, relay: _HasPool) -> None:
         self._router = router
         self._relay = relay
+        self._turn = 0
 
     async def __call__(self, name: str, body: dict[str, Any], tried: list[str]) -> str:
         model = self._router.resolve(name)
@@ -312,7 +329,11 @@ class JudgeAsk:
         endpoints = [e for e in self._router.endpoints(model) if e.label not in tried]
         if not endpoints:
             raise UpstreamError(f"no other replica of {name} to ask", before_response=True)
-        endpoint = min(endpoints, key=lambda e: e.in_flight)
+        # The least busy; among equals, each in turn (judgments spread over
+        # the replicas, so a hedge finds another one warm).
+        self._turn += 1
+        turn = self._turn % len(endpoints)
+        endpoint = min(endpoints[turn:] + endpoints[:turn], key=lambda e: e.in_flight)
         tried.append(endpoint.label)
         external = model.external
         doc = {**body, "model": external.model if external is not None else model.name}
@@ -371,8 +392,8 @@ def _latest_user_text(doc: dict[str, Any]) -> str:
 
 
 class PromptJudge:
-    """The judge on prompts, for the ``/v1`` routes: one :class:`Judge`
-    (its verdict cache) per gateway."""
+    """The judge on prompts and answers, for the ``/v1`` routes: one
+    :class:`Judge` (its verdict cache) per gateway."""
 
     def __init__(self, router: Router, relay: _HasPool) -> None:
         self._router = router
@@ -397,21 +418,318 @@ class PromptJudge:
             return
         started = time.perf_counter()
         try:
-            found = await self.judge.judge(
-                judge, text, context_tokens=_context_tokens(self._router.resolve(judge.model))
+            found = await self.judge.judge(judge, text, context_tokens=self.context_tokens(judge))
+        finally:
+            verdict.seconds += time.perf_counter() - started
+        refused = record_verdict(judge, found, verdict, "input")
+        if refused == UNAVAILABLE:
+            raise JudgeUnavailable(judge.model)
+        if refused:
+            raise ContentFiltered("prompt", list(refused))
+
+    async def answer(self, guard: Guard, whole: dict[str, Any], verdict: Verdict) -> None:
+        """Judge a whole answer (each choice's text and its tool calls'
+        arguments) before it is returned, and record the verdict (direction
+        ``output``).
+
+        Raises:
+            ContentFiltered: the judge found the answer unsafe (400
+                ``content_filter``).
+            JudgeUnavailable: no verdict in time under ``fail: closed``
+                (503 ``judge_unavailable``).
+        """
+        judge = guard.judge
+        if judge is None:
+            return
+        texts = [t for t in _answer_texts(whole) if t.strip()]
+        if not texts:
+            return
+        started = time.perf_counter()
+        try:
+            found = await self.judge.judge_all(
+                judge, texts, context_tokens=self.context_tokens(judge), answer=True
             )
         finally:
             verdict.seconds += time.perf_counter() - started
-        if found is None:
-            if judge.fail == "closed":
-                verdict.note("judge:unavailable", "block")
-                raise JudgeUnavailable(judge.model)
-            verdict.note("judge:unavailable", "flag")
-            return
-        refused = found.refused(judge)
+        refused = record_verdict(judge, found, verdict, "output")
+        if refused == UNAVAILABLE:
+            raise JudgeUnavailable(judge.model)
         if refused:
-            for rule in refused:
-                verdict.note(rule, "block")
-            raise ContentFiltered("prompt", list(refused))
-        if found.safety == "controversial":
-            verdict.note("judge:controversial", "flag")
+            raise ContentFiltered("answer", list(refused))
+
+    def context_tokens(self, judge: GuardJudge) -> int:
+        """The context of ``judge``'s model, in tokens."""
+        return _context_tokens(self._router.resolve(judge.model))
+
+
+#: What :func:`record_verdict` gives when no verdict came under ``fail: closed``.
+UNAVAILABLE: Final = ("judge:unavailable",)
+
+
+def record_verdict(
+    judge: GuardJudge, found: JudgeVerdict | None, verdict: Verdict, direction: str
+) -> tuple[str, ...]:
+    """Record the judge's verdict ``found`` (None: none in time) on the
+    text of ``direction`` (``input`` or ``output``); the rule ids that
+    refuse it (empty: it passes; :data:`UNAVAILABLE` under ``fail:
+    closed`` without a verdict)."""
+    if found is None:
+        if judge.fail == "closed":
+            verdict.note("judge:unavailable", "block", direction)
+            return UNAVAILABLE
+        verdict.note("judge:unavailable", "flag", direction)
+        return ()
+    refused = found.refused(judge)
+    for rule in refused:
+        verdict.note(rule, "block", direction)
+    if not refused and found.safety == "controversial":
+        verdict.note("judge:controversial", "flag", direction)
+    return refused
+
+
+def _answer_texts(whole: dict[str, Any]) -> list[str]:
+    """A whole chat or completions answer's texts to judge: per choice, its
+    ``message.content`` (or ``text``) and its tool calls' arguments."""
+    out: list[str] = []
+    choices = whole.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        parts: list[str] = []
+        message = choice.get("message")
+        holder, field = (message, "content") if isinstance(message, dict) else (choice, "text")
+        text = holder.get(field)
+        if isinstance(text, str):
+            parts.append(text)
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str):
+                parts.append(arguments)
+        out.append("\n".join(parts))
+    return out
+
+
+def _delta_text(choice: dict[str, Any]) -> str:
+    """The text a stream event's choice adds: its content (or ``text``)
+    and its tool calls' argument pieces."""
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        text = choice.get("text")
+        return text if isinstance(text, str) else ""
+    text = delta.get("content")
+    out = text if isinstance(text, str) else ""
+    calls = delta.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            out += arguments
+    return out
+
+
+#: Sends what the callable gives, at once, between the relay's own writes
+#: (the callable runs under the relay's send lock).
+Emit = Callable[[Callable[[], bytes]], Awaitable[None]]
+
+
+class JudgedStream:
+    """The judge on a streamed answer (``docs/guardrails.md``, The judge:
+    streams): a :class:`DocShape` in front of the stream's shape (behind
+    :class:`GuardedStream` when pattern rules apply, so it reads the text
+    they released).
+
+    The text goes on at once; each choice's text is cut into windows of
+    :data:`STREAM_WINDOW_CHARS` characters, each judged in the background
+    (:meth:`attach` gives the nursery, and the way to send the stop at
+    once). The stream's end (every event from the first one carrying a
+    ``finish_reason``, the usage, ``[DONE]``) is held until the last
+    partial windows are judged (:meth:`settle`, each judgment within the
+    budget), then :meth:`release` gives it. An unsafe verdict (or none
+    under ``fail: closed``) stops every choice: ``finish_reason:
+    content_filter`` sent at once, the engine's later text dropped (its
+    usage still read). With ``buffer_all`` every event is held until the
+    verdict on the whole answer: :attr:`refusal` then says what to answer
+    instead.
+
+    Attributes:
+        buffer_all: nothing is sent before the verdict.
+        stopped: the rule ids that stopped the stream (empty: none).
+    """
+
+    def __init__(
+        self,
+        shape: DocShape,
+        judging: PromptJudge,
+        judge: GuardJudge,
+        verdict: Verdict,
+        *,
+        buffer_all: bool,
+    ) -> None:
+        self._shape = shape
+        self._judging = judging
+        self._judge = judge
+        self._verdict = verdict
+        self._context_tokens = judging.context_tokens(judge)
+        self.buffer_all = buffer_all
+        self.stopped: tuple[str, ...] = ()
+        self._reader: ChatChunkReader | None = None
+        self._windows: dict[int, str] = {}
+        #: Choices seen whose end has not gone to the shape.
+        self._open: set[int] = set()
+        self._held: list[Any] | None = [] if buffer_all else None
+        self._nursery: trio.Nursery | None = None
+        self._emit: Emit | None = None
+        self._pending = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    @property
+    def usage(self) -> Usage | None:
+        return self._shape.usage
+
+    @property
+    def content_chunks(self) -> int:
+        return self._shape.content_chunks
+
+    @property
+    def done(self) -> bool:
+        return self._shape.done
+
+    def attach(self, nursery: trio.Nursery, emit: Emit) -> None:
+        """Where judgments run, and how bytes are sent outside :meth:`feed`
+        (the stop, once a verdict refuses the answer)."""
+        self._nursery = nursery
+        self._emit = emit
+
+    def feed(self, data: bytes) -> bytes:
+        """Engine bytes (when no pattern rule parsed them first)."""
+        if self._reader is None:
+            self._reader = ChatChunkReader()
+        return self.feed_docs(self._reader.feed(data))
+
+    def feed_docs(self, docs: list[Any]) -> bytes:
+        """Parsed events in; what the client gets now."""
+        passed: list[Any] = []
+        for doc in docs:
+            ends = doc == DONE
+            choices = doc.get("choices") if isinstance(doc, dict) else None
+            if isinstance(choices, list):
+                if self.stopped and choices:
+                    # Stopped: the engine's later text and ends are dropped
+                    # (its usage still read).
+                    if "usage" not in doc:
+                        continue
+                    doc["choices"] = choices = []
+                if not choices and "usage" in doc:
+                    ends = True
+                for choice in choices:
+                    if not isinstance(choice, dict):
+                        continue
+                    index = _index(choice)
+                    text = _delta_text(choice)
+                    self._open.add(index)
+                    if text:
+                        self._window(index, text)
+                    if choice.get("finish_reason"):
+                        ends = True
+            if self._held is None and ends:
+                self._held = []
+            (passed if self._held is None else self._held).append(doc)
+        return self._shape.feed_docs(passed) if passed else b""
+
+    def finish(self) -> bytes:
+        """Nothing yet: the end waits for :meth:`settle` and :meth:`release`."""
+        if self._reader is not None:
+            self.feed_docs(self._reader.close())
+        if self._held is None:
+            self._held = []
+        return b""
+
+    def ending(self) -> None:
+        """The engine's stream is over: what comes next (a pattern rule's
+        last held text) is held with the end."""
+        if self._held is None:
+            self._held = []
+
+    async def settle(self) -> None:
+        """Judge what is left of each choice's window and wait for every
+        judgment (each within the judge's budget)."""
+        for index in sorted(self._windows):
+            rest = self._windows.pop(index)
+            if rest.strip():
+                self._submit(rest)
+        await self._idle.wait()
+
+    def release(self) -> bytes:
+        """The held end, as the client gets it (for a stopped stream: the
+        stop for choices still open, their later text dropped), and the
+        shape's own end."""
+        held, self._held = self._held or [], None
+        docs = self._stops() if self.stopped else []
+        for doc in held:
+            choices = doc.get("choices") if isinstance(doc, dict) else None
+            if self.stopped and isinstance(choices, list) and choices:
+                if "usage" not in doc:
+                    continue
+                doc["choices"] = []
+            docs.append(doc)
+        out = self._shape.feed_docs(docs) if docs else b""
+        return out + self._shape.finish()
+
+    @property
+    def refusal(self) -> LlmgwError | None:
+        """For ``buffer_all``: the error to answer instead of the stream
+        (400 ``content_filter``, or 503 ``judge_unavailable``), or None."""
+        if not self.stopped:
+            return None
+        if self.stopped == UNAVAILABLE:
+            return JudgeUnavailable(self._judge.model)
+        return ContentFiltered("answer", list(self.stopped))
+
+    def _window(self, index: int, text: str) -> None:
+        window = self._windows.get(index, "") + text
+        while len(window) >= STREAM_WINDOW_CHARS:
+            self._submit(window[:STREAM_WINDOW_CHARS])
+            window = window[STREAM_WINDOW_CHARS:]
+        self._windows[index] = window
+
+    def _submit(self, text: str) -> None:
+        if self._nursery is None:  # pragma: no cover - attached before the first event
+            raise RuntimeError("JudgedStream used before attach()")
+        if not self._pending:
+            self._idle = trio.Event()
+        self._pending += 1
+        self._nursery.start_soon(self._judged, text)
+
+    async def _judged(self, text: str) -> None:
+        try:
+            found = await self._judging.judge.judge(
+                self._judge, text, context_tokens=self._context_tokens, answer=True
+            )
+            refused = record_verdict(self._judge, found, self._verdict, "output")
+            if refused and not self.stopped:
+                self.stopped = refused
+                self._verdict.stopped = True
+                if self._held is None and self._emit is not None:
+                    await self._emit(self._stop_now)
+        finally:
+            self._pending -= 1
+            if not self._pending:
+                self._idle.set()
+
+    def _stop_now(self) -> bytes:
+        """The stop of every open choice, as the client gets it (b"" once
+        the end is held: :meth:`release` sends it then)."""
+        if self._held is not None:
+            return b""
+        stops = self._stops()
+        return self._shape.feed_docs(stops) if stops else b""
+
+    def _stops(self) -> list[Any]:
+        """The events that end every open choice with ``content_filter``."""
+        open_, self._open = sorted(self._open), set()
+        return [
+            {"choices": [{"index": i, "delta": {}, "finish_reason": CONTENT_FILTER}]} for i in open_
+        ]

@@ -23,13 +23,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Final, Protocol
 
 import orjson
 import trio
 
 from llmgw.asgi import Send
-from llmgw.errors import describe
+from llmgw.errors import LlmgwError, describe
 from llmgw.guard.output import OutputGuard
 from llmgw.router.endpoint import Endpoint
 from llmgw.router.router import Attempt, EndpointLost, Route
@@ -37,8 +38,8 @@ from llmgw.settings import ServerSettings
 
 from . import anthropic, responses
 from .caching import CacheSlot, Caching
-from .errors import ApiError, engine_error, error_body_for
-from .guarded import GuardedStream, guard_answer
+from .errors import ApiError, api_error, engine_error, error_body_for
+from .guarded import GuardedStream, JudgedStream, PromptJudge, guard_answer
 from .http import JSON, NO_CACHE, SSE, answer
 from .request import Outcome, Request
 from .sse import SseRelay, Usage, usage_from
@@ -105,6 +106,9 @@ class Relay:
         self._cluster = cluster
         self._caching = caching
         self._pools: dict[tuple[str, int, bool], UpstreamPool] = {}
+        #: The judge on answers (and its verdict cache, shared with the
+        #: prompts'), set by the ``/v1`` handler; None: answers not judged.
+        self.judging: PromptJudge | None = None
 
     def set_connect_timeout(self, seconds: float) -> None:
         """A new ``router.timeouts.connect`` for every pool."""
@@ -264,7 +268,15 @@ class Relay:
                 guard = _output_guard(request, outcome)
                 if guard is not None and isinstance(whole, dict) and guard_answer(whole, guard):
                     data = orjson.dumps(whole)
-                if kind == "messages" and isinstance(whole, dict):
+                refusal = None
+                if request.guard is not None and request.guard.judges_output:
+                    refusal = await self._judge_answer(request, outcome, whole)
+                if refusal is not None:
+                    status = refusal.status
+                    data = error_body_for(refusal, kind)
+                    content_type = JSON
+                    extra += refusal.headers
+                elif kind == "messages" and isinstance(whole, dict):
                     data = orjson.dumps(anthropic.chat_to_message(whole, request.client_model))
                     content_type = JSON
                 elif kind == "responses" and isinstance(whole, dict):
@@ -310,11 +322,32 @@ class Relay:
             outcome.finish(status)
             outcome.usage = usage
             await answer(send, status, data, extra, content_type=content_type)
-            if status == 200 and keep is not None:
+            if status == 200 and keep is not None and not _unjudged(outcome):
                 self._caching.keep(keep, content_type[1], data, stream=False)
         except UpstreamError as exc:
             log.warning("answer from %s broke off: %s", endpoint.label, describe(exc))
             outcome.finish(502)
+
+    async def _judge_answer(
+        self, request: Request, outcome: Outcome, whole: object
+    ) -> ApiError | None:
+        """Judge a whole answer when the request's policies judge answers:
+        the error to answer instead of it (400 ``content_filter``, 503
+        ``judge_unavailable``), or None when it goes out."""
+        guard, judging, verdict = request.guard, self.judging, outcome.verdict
+        if (
+            guard is None
+            or not guard.judges_output
+            or judging is None
+            or verdict is None
+            or not isinstance(whole, dict)
+        ):
+            return None
+        try:
+            await judging.answer(guard, whole, verdict)
+        except LlmgwError as exc:
+            return api_error(exc)
+        return None
 
     async def _relay_stream(
         self,
@@ -325,8 +358,13 @@ class Relay:
         headers: list[tuple[bytes, bytes]],
         keep: CacheSlot | None,
     ) -> None:
-        shape = _stream_shape(request, outcome)
+        shape, judged = _stream_shape(request, outcome, self.judging)
         outcome.progress = functools.partial(_stream_usage, request, shape)
+        if judged is not None:
+            await self._relay_judged_stream(
+                send, request, outcome, response, headers, keep, shape, judged
+            )
+            return
         await send(
             {
                 "type": "http.response.start",
@@ -388,6 +426,144 @@ class Relay:
             # engine's own count never came.
             outcome.usage = _stream_usage(request, shape)
 
+    async def _relay_judged_stream(
+        self,
+        send: Send,
+        request: Request,
+        outcome: Outcome,
+        response: UpstreamResponse,
+        headers: list[tuple[bytes, bytes]],
+        keep: CacheSlot | None,
+        shape: _StreamShape,
+        judged: JudgedStream,
+    ) -> None:
+        """:meth:`_relay_stream` with the judge on the answer
+        (:class:`JudgedStream`): its judgments run beside the relay, whose
+        writes and the judge's stop share one lock; the end goes once the
+        last windows are judged. Under ``buffer_all`` nothing (not even the
+        head) goes before the verdict, and a refusal is answered as an
+        error (400 ``content_filter``, 503 ``judge_unavailable``)."""
+        lock = trio.Lock()
+        begun = False
+        kept: list[bytes] | None = [] if keep is not None else None
+        kept_bytes = 0
+        limit = self._caching.max_entry_bytes
+
+        async def write(out: bytes, more: bool = True) -> None:
+            nonlocal begun, kept, kept_bytes
+            if not begun:
+                begun = True
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [SSE, NO_CACHE, *headers],
+                    }
+                )
+            if not out and more:
+                return
+            if outcome.ttft_s is None and shape.content_chunks:
+                outcome.ttft_s = time.perf_counter() - request.started
+            if kept is not None:
+                kept_bytes += len(out)
+                kept = kept if kept_bytes <= limit else None
+                if kept is not None:
+                    kept.append(out)
+            await send({"type": "http.response.body", "body": out, "more_body": more})
+
+        async def emit(make: Callable[[], bytes]) -> None:
+            async with lock:
+                out = make()
+                if out:
+                    await write(out)
+
+        verdict = outcome.verdict
+        broke: UpstreamError | None = None
+        rest = b""
+        try:
+            async with trio.open_nursery() as nursery:
+                judged.attach(nursery, emit)
+                try:
+                    if not judged.buffer_all:
+                        async with lock:
+                            await write(b"")
+                    while chunk := await response.receive():
+                        await emit(functools.partial(shape.feed, chunk))
+                    judged.ending()
+                    async with lock:
+                        rest = shape.finish()
+                    waited = time.perf_counter()
+                    await judged.settle()
+                    if verdict is not None:
+                        verdict.seconds += time.perf_counter() - waited
+                except UpstreamError as exc:
+                    # Raised out of the nursery below, not in a group.
+                    broke = exc
+                    nursery.cancel_scope.cancel()
+                except trio.Cancelled:
+                    # Cut short: the client left, or the stop's grace ran out.
+                    if begun and not shape.done:
+                        with trio.CancelScope(shield=True), trio.move_on_after(1):
+                            await send(
+                                {
+                                    "type": "http.response.body",
+                                    "body": _cut(request),
+                                    "more_body": False,
+                                }
+                            )
+                    raise
+            if broke is not None:
+                # The engine broke off mid-answer: said in the stream (or as
+                # a 502 when nothing was sent yet).
+                if not begun:
+                    error = ApiError(
+                        502,
+                        "The replica answering broke off mid-answer; retry.",
+                        type="server_error",
+                        code="upstream_error",
+                    )
+                    await answer(send, 502, error_body_for(error, request.kind), headers)
+                elif not shape.done:
+                    await send(
+                        {"type": "http.response.body", "body": _broken(request), "more_body": False}
+                    )
+                outcome.finish(502)
+                raise broke
+            refusal = judged.refusal if judged.buffer_all else None
+            if refusal is not None:
+                error = api_error(refusal)
+                outcome.finish(error.status)
+                outcome.usage = _stream_usage(request, shape)
+                await answer(
+                    send,
+                    error.status,
+                    error_body_for(error, request.kind),
+                    [*error.headers, *headers],
+                )
+                return
+            tail = rest + judged.release()
+            outcome.finish(200)
+            outcome.usage = _stream_usage(request, shape)
+            async with lock:
+                await write(tail, more=False)
+            if (
+                kept is not None
+                and keep is not None
+                and not judged.stopped
+                and not _unjudged(outcome)
+            ):
+                self._caching.keep(keep, SSE[1], b"".join(kept), stream=True)
+        finally:
+            # Counted even when the answer was cut short or refused.
+            outcome.usage = _stream_usage(request, shape)
+
+
+def _unjudged(outcome: Outcome) -> bool:
+    """The judge gave no verdict (served under ``fail: open``): such an
+    answer is not kept in the answer cache."""
+    verdict = outcome.verdict
+    return verdict is not None and "judge:unavailable" in verdict.actions
+
 
 def _stream_usage(request: Request, shape: _StreamShape) -> Usage | None:
     """The engine's usage, or the prompt as estimated and the content
@@ -407,8 +583,12 @@ def _output_guard(request: Request, outcome: Outcome) -> OutputGuard | None:
     return output if output.active else None
 
 
-def _stream_shape(request: Request, outcome: Outcome) -> _StreamShape:
-    shape: anthropic.MessagesStream | responses.ResponsesStream | SseRelay
+def _stream_shape(
+    request: Request, outcome: Outcome, judging: PromptJudge | None
+) -> tuple[_StreamShape, JudgedStream | None]:
+    """The stream's shape, behind the output rules when they apply; the
+    judge's part of it when the request's policies judge answers."""
+    shape: anthropic.MessagesStream | responses.ResponsesStream | SseRelay | JudgedStream
     if request.kind == "messages":
         shape = anthropic.MessagesStream(
             request.client_model,
@@ -421,8 +601,20 @@ def _stream_shape(request: Request, outcome: Outcome) -> _StreamShape:
         )
     else:
         shape = SseRelay(pass_usage=request.pass_usage)
+    judged = None
+    policies, verdict = request.guard, outcome.verdict
+    if (
+        policies is not None
+        and policies.judges_output
+        and policies.judge is not None
+        and judging is not None
+        and verdict is not None
+    ):
+        shape = judged = JudgedStream(
+            shape, judging, policies.judge, verdict, buffer_all=policies.buffer_all
+        )
     guard = _output_guard(request, outcome)
-    return shape if guard is None else GuardedStream(shape, guard)
+    return (shape if guard is None else GuardedStream(shape, guard)), judged
 
 
 def _broken(request: Request) -> bytes:

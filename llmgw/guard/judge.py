@@ -238,7 +238,22 @@ class Judge:
         the strictest over its pieces; None when some piece got no verdict
         within ``judge.latency_budget`` seconds (then ``judge.fail``
         decides)."""
-        parts = pieces(text, context_tokens)
+        return await self.judge_all(judge, [text], context_tokens=context_tokens, answer=answer)
+
+    async def judge_all(
+        self,
+        judge: GuardJudge,
+        texts: list[str],
+        *,
+        context_tokens: int,
+        answer: bool = False,
+    ) -> JudgeVerdict | None:
+        """:meth:`judge` over several texts at once (an answer's choices),
+        within one budget: the strictest verdict of them all, None when any
+        piece of any got none in time."""
+        parts = [part for text in texts for part in pieces(text, context_tokens)]
+        if not parts:
+            return JudgeVerdict("safe")
         found: list[JudgeVerdict | None] = [None] * len(parts)
         with trio.move_on_after(judge.latency_budget):
             async with trio.open_nursery() as nursery:

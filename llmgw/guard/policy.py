@@ -120,6 +120,8 @@ class Guard:
         input, output: each direction's rules.
         no_store: keep the request out of the answer cache.
         judge: the first judge the policies name (None: no judge).
+        buffer_all: a streamed answer is judged whole before any of it is
+            sent (``stream: {buffer_all: true}`` in any policy).
     """
 
     names: tuple[str, ...]
@@ -127,6 +129,7 @@ class Guard:
     output: Direction
     no_store: bool = False
     judge: GuardJudge | None = None
+    buffer_all: bool = False
 
     @property
     def active(self) -> bool:
@@ -137,6 +140,11 @@ class Guard:
     def judges_input(self) -> bool:
         """Whether prompts go to the judge."""
         return self.judge is not None and self.judge.on in ("input", "both")
+
+    @property
+    def judges_output(self) -> bool:
+        """Whether answers go to the judge."""
+        return self.judge is not None and self.judge.on in ("output", "both")
 
     @property
     def cacheable(self) -> bool:
@@ -156,6 +164,7 @@ def build_guard(names: tuple[str, ...], policies: Sequence[GuardPolicy]) -> Guar
         ),
         no_store=any(p.no_store for p in policies),
         judge=next((p.judge for p in policies if p.judge.model), None),
+        buffer_all=any(p.stream.buffer_all for p in policies),
     )
 
 

@@ -1,7 +1,8 @@
 """The judge end to end on the real starter model (``docs/guardrails.md``,
 The judge): ``llmgw up`` serves gemma-3-270m, a policy names it as its own
 (poor) judge with the ``instructed`` format, and a prompt is judged before
-it is answered; ``ctl guard judge check`` times it."""
+it is answered, then answers (whole and streamed) before they go out;
+``ctl guard judge check`` times it."""
 
 from __future__ import annotations
 
@@ -79,6 +80,47 @@ def test_the_starter_model_judges_prompts_and_the_check_times_it(
         assert row["status"] in (200, 400)
         rules = [r for r in row["guard_rules"].split(",") if r]
         assert all(r.startswith("judge:") for r in rules), rules
+
+        # The judge on answers only: a whole answer and a streamed one are
+        # judged before they (or their end) go out.
+        patched = admin_request(
+            up,
+            "PATCH",
+            "/api/v1/config",
+            {"key": "guard.policies.judged.judge.on", "value": "output"},
+        )
+        assert patched.status_code == 200, patched.text
+
+        def answer_judged(stream: bool) -> Callable[[], bool]:
+            def check() -> bool:
+                nonlocal row
+                try:
+                    raw = client.chat.completions.with_raw_response.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": "Name three rivers."}],
+                        max_tokens=8,
+                        temperature=0,
+                        stream=stream,
+                    )
+                    if stream:
+                        list(raw.parse())
+                except openai.BadRequestError as refused:  # judged unsafe
+                    request_id = refused.response.headers["x-request-id"]
+                else:
+                    request_id = raw.headers["x-request-id"]
+                row = up.usage_row(request_id)
+                events = row["guard_events"]
+                # The prompt is no longer judged: any judge event is the answer's.
+                assert all(e["direction"] == "output" for e in events), events
+                return bool(row["guard_ms"] > 5)
+
+            return check
+
+        up.wait_for(answer_judged(False), 60, "a whole answer judged by the starter model")
+        assert row["status"] in (200, 400)
+        up.wait_for(answer_judged(True), 60, "a streamed answer judged by the starter model")
+        assert row["status"] == 200
+        print("an answer judged by the starter model:", row["guard_rules"] or "safe")
     finally:
         client.close()
 

@@ -1,14 +1,25 @@
 """The judge's parts (``llmgw.guard.judge``): replies read per format,
-texts fitted to the judge's context, verdicts cached for 5 minutes."""
+texts fitted to the judge's context, verdicts cached for 5 minutes; the
+judge on streamed answers (``llmgw.gateway.guarded.JudgedStream``): windows
+judged while the text flows, the end held for the last one, ``buffer_all``;
+the sim engine's scripted replies."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
+import orjson
 import pytest
+import trio
+import trio.testing
 
+from llmgw.engines.sim.config import parse_args as parse_sim_args
+from llmgw.gateway.guarded import JudgedStream
+from llmgw.gateway.sse import SseRelay
+from llmgw.guard import ContentFiltered, Verdict
 from llmgw.guard.judge import CACHE_TTL_S, Judge, JudgeVerdict, parse_reply, pieces
-from llmgw.settings import GuardJudge
+from llmgw.settings import GuardJudge, SettingsError, settings_from_doc
 
 
 def test_replies_are_read_per_format() -> None:
@@ -78,3 +89,157 @@ async def test_verdicts_are_cached_for_five_minutes_and_long_texts_judged_whole(
     assert found is not None
     assert found.safety == "unsafe"
     assert len(asked) > 3
+
+
+# --- the judge on streamed answers (llmgw.gateway.guarded.JudgedStream) ------------------
+
+
+class _Judging:
+    """What :class:`JudgedStream` needs of the gateway's judge: a
+    :class:`Judge` asking ``ask`` and the judge's context."""
+
+    def __init__(self, asked: list[str]) -> None:
+        async def ask(model: str, body: dict[str, Any], tried: list[str]) -> str:
+            text = body["messages"][-1]["content"]
+            asked.append(text)
+            return "Safety: Unsafe\nCategories: Violent" if "BAD" in text else "Safety: Safe"
+
+        self.judge = Judge(ask)
+
+    def context_tokens(self, judge: GuardJudge) -> int:
+        return 4096
+
+
+def _event(doc: object) -> bytes:
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def _chunk(text: str, finish: str | None = None) -> bytes:
+    return _event({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]})
+
+
+def _stream(asked: list[str], *, buffer_all: bool = False) -> tuple[JudgedStream, Verdict]:
+    verdict = Verdict()
+    judged = JudgedStream(
+        SseRelay(pass_usage=False),
+        cast(Any, _Judging(asked)),
+        GuardJudge(model="j", on="output"),
+        verdict,
+        buffer_all=buffer_all,
+    )
+    return judged, verdict
+
+
+async def test_a_stream_flows_is_judged_in_windows_and_an_unsafe_window_stops_it() -> None:
+    asked: list[str] = []
+    judged, verdict = _stream(asked)
+    sent: list[bytes] = []
+
+    async def emit(make: Callable[[], bytes]) -> None:
+        sent.append(make())
+
+    async with trio.open_nursery() as nursery:
+        judged.attach(nursery, emit)
+        first = judged.feed(_chunk("a" * 450))
+        assert b"a" * 450 in first  # sent at once, before any verdict
+        assert judged.feed(_chunk("a" * 150 + "BAD" + "b" * 600))
+        await trio.testing.wait_all_tasks_blocked()
+        # Two windows of 600 characters judged; the second one stopped the stream.
+        assert [len(t.split("\n\n")[-1]) for t in asked] == [600, 600]
+        assert len(sent) == 1
+        assert b'"finish_reason":"content_filter"' in sent[0]
+        later = judged.feed(_chunk("more", "stop") + b"data: [DONE]\n\n")
+        assert later == b""
+        judged.ending()
+        assert judged.finish() == b""
+        await judged.settle()
+    tail = judged.release()
+    assert b"more" not in tail
+    assert b'"stop"' not in tail
+    assert tail.endswith(b"data: [DONE]\n\n")
+    assert verdict.events == {("output", "judge:violent"): "block"}
+    assert verdict.stopped
+
+
+async def test_the_end_of_a_stream_waits_for_its_last_partial_window() -> None:
+    asked: list[str] = []
+    judged, verdict = _stream(asked)
+
+    async def emit(make: Callable[[], bytes]) -> None:
+        raise AssertionError("nothing to stop")
+
+    async with trio.open_nursery() as nursery:
+        judged.attach(nursery, emit)
+        out = judged.feed(_chunk("hello ") + _chunk("world", "stop") + b"data: [DONE]\n\n")
+        assert b"hello" in out
+        assert b"world" not in out  # held with the end
+        assert b"[DONE]" not in out
+        assert asked == []
+        judged.ending()
+        judged.finish()
+        await judged.settle()
+    assert [t.split("\n\n")[-1] for t in asked] == ["hello world"]
+    tail = judged.release()
+    assert b"world" in tail
+    assert b'"finish_reason":"stop"' in tail
+    assert tail.endswith(b"data: [DONE]\n\n")
+    assert verdict.rules == []
+
+    # An unsafe last window: the end becomes content_filter, its text dropped.
+    judged, verdict = _stream(asked)
+    async with trio.open_nursery() as nursery:
+        judged.attach(nursery, emit)
+        judged.feed(_chunk("so "))
+        judged.feed(_chunk("BAD", "stop") + b"data: [DONE]\n\n")
+        judged.ending()
+        judged.finish()
+        await judged.settle()
+    tail = judged.release()
+    assert b"BAD" not in tail
+    assert b'"finish_reason":"content_filter"' in tail
+    assert verdict.events == {("output", "judge:violent"): "block"}
+
+
+async def test_buffer_all_holds_everything_until_the_verdict() -> None:
+    asked: list[str] = []
+
+    async def emit(make: Callable[[], bytes]) -> None:
+        raise AssertionError("nothing goes out before the verdict")
+
+    for text, refused in (("fine words", None), ("BAD words", "content_filter")):
+        judged, _ = _stream(asked, buffer_all=True)
+        async with trio.open_nursery() as nursery:
+            judged.attach(nursery, emit)
+            assert judged.feed(_chunk(text[:5]) + _chunk(text[5:], "stop")) == b""
+            judged.ending()
+            assert judged.finish() == b""
+            await judged.settle()
+        error = judged.refusal
+        if refused is None:
+            assert error is None
+            assert text[5:].encode() in judged.release()
+        else:
+            assert isinstance(error, ContentFiltered)
+            assert error.code == refused
+
+
+def test_the_sim_engine_takes_scripted_replies() -> None:
+    config = parse_sim_args(
+        ["--port", "0", "--model", "j", "--reply", "bomb=Safety: Unsafe", "--reply", "=x=y"]
+    )
+    assert config.replies == (("bomb", "Safety: Unsafe"), ("", "x=y"))
+    with pytest.raises(SystemExit):
+        parse_sim_args(["--port", "0", "--model", "j", "--reply", "no answer"])
+
+
+def test_a_policys_stream_field_is_checked_with_its_path() -> None:
+    doc = {"guard": {"policies": {"p": {"stream": {"buffer_all": True}}}}}
+    assert settings_from_doc(doc).guard.policies["p"].stream.buffer_all
+    for bad, said in (
+        ({"buffer": True}, "buffer"),
+        ({"buffer_all": "yes"}, "buffer_all"),
+    ):
+        with pytest.raises(SettingsError) as caught:
+            settings_from_doc({"guard": {"policies": {"p": {"stream": bad}}}})
+        assert said in str(caught.value)
+        assert ".guard.policies['p'].stream" in str(caught.value)

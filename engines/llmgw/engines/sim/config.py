@@ -155,6 +155,14 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         metavar="KEY=STATUS",
         help="answer STATUS (400-599) to requests bearing this key (repeatable)",
     )
+    parser.add_argument(
+        "--reply",
+        action="append",
+        default=[],
+        metavar="WHEN=ANSWER",
+        help="answer a chat prompt holding WHEN with ANSWER as its whole content, after "
+        "--ttft-ms (repeatable; the first that matches wins; an empty WHEN matches any)",
+    )
     ns = parser.parse_args(argv)
     refusals = []
     for given in ns.refuse_key:
@@ -162,6 +170,12 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
         if not key or not status.isdigit():
             parser.error(f"--refuse-key {given!r}: give KEY=STATUS, e.g. BAD=429")
         refusals.append((key, int(status)))
+    replies = []
+    for given in ns.reply:
+        when, sep, reply = given.partition("=")
+        if not sep or not reply:
+            parser.error(f"--reply {given!r}: give WHEN=ANSWER, e.g. 'bomb=Safety: Unsafe'")
+        replies.append((when, reply))
     try:
         return SimConfig(
             model=ns.model,
@@ -182,6 +196,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SimConfig:
             reasoning=ns.reasoning,
             reasoning_tokens=ns.reasoning_tokens,
             refuse_keys=tuple(refusals),
+            replies=tuple(replies),
         )
     except ValueError as error:
         parser.error(str(error))
