@@ -255,7 +255,7 @@ async def test_embeddings_are_deterministic_unit_vectors_in_float_and_base64(
 async def test_every_route_but_health_needs_the_key_and_refusals_use_the_openai_error_shape(
     start_sim: SimStarter,
 ) -> None:
-    with trio.fail_after(30):
+    with trio.fail_after(90):
         async with (
             start_sim(api_key=KEY) as sim,
             httpx.AsyncClient(base_url=sim.base_url) as client,
