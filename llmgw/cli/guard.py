@@ -64,5 +64,7 @@ def judge_check(data_dir: Path, model: str | None, policy: str | None, as_json: 
         f"≈ {doc['judgments_per_s']:.2g} judgments/s ≈ {doc['requests_per_s']:.2g} requests/s, "
         f"budget {doc['budget_s']:g} s: {doc['verdict']}"
     )
+    if doc.get("unreadable"):
+        click.echo(f"  {doc['unreadable']} of 7 replies held no verdict in the judge's format")
     for advice in doc["advice"]:
         click.echo(f"  - {advice}")

@@ -360,9 +360,11 @@ class JudgeCheck:
         judgments_per_s: 4 over the slowest of the burst.
         requests_per_s: half that (a request judged in and out).
         verdict: ``ok``, ``tight`` (one judgment over half the budget, or
-            the burst over it) or ``too slow`` (one alone over the budget,
-            or no verdict).
+            the burst over it), ``too slow`` (one alone over the budget, or
+            no answer in time) or ``unreadable`` (it answered, but no reply
+            held a verdict in the judge's ``format``).
         advice: what to change, when not ``ok``.
+        unreadable: how many of the 7 replies held no verdict in the format.
     """
 
     model: str
@@ -373,6 +375,7 @@ class JudgeCheck:
     requests_per_s: float
     verdict: str
     advice: tuple[str, ...]
+    unreadable: int = 0
 
 
 async def check_judge(judge: GuardJudge, ask: Ask) -> JudgeCheck:
@@ -382,9 +385,10 @@ async def check_judge(judge: GuardJudge, ask: Ask) -> JudgeCheck:
     changes any setting."""
     budget = judge.latency_budget
     count = 0
+    unreadable = 0
 
     async def one() -> float | None:
-        nonlocal count
+        nonlocal count, unreadable
         count += 1
         body: dict[str, Any] = {
             "model": judge.model,
@@ -396,8 +400,13 @@ async def check_judge(judge: GuardJudge, ask: Ask) -> JudgeCheck:
         started = trio.current_time()
         with trio.move_on_after(budget * 2):
             try:
-                parse_reply(await ask(judge.model, body, []), judge.format)
-            except (LlmgwError, ValueError):
+                reply = await ask(judge.model, body, [])
+            except LlmgwError:
+                return None
+            try:
+                parse_reply(reply, judge.format)
+            except ValueError:
+                unreadable += 1
                 return None
             return trio.current_time() - started
         return None
@@ -414,14 +423,21 @@ async def check_judge(judge: GuardJudge, ask: Ask) -> JudgeCheck:
     done = [s for s in burst if s is not None]
     per_s = len(done) / max(done) if done else 0.0
     slowest_alone = max((s for s in alone if s is not None), default=None)
-    if None in alone or slowest_alone is None or slowest_alone > budget:
+    if unreadable and not done and slowest_alone is None:
+        verdict = "unreadable"
+    elif None in alone or slowest_alone is None or slowest_alone > budget:
         verdict = "too slow"
     elif slowest_alone > budget / 2 or not done or None in burst or max(done) > budget:
         verdict = "tight"
     else:
         verdict = "ok"
     advice: tuple[str, ...] = ()
-    if verdict != "ok":
+    if verdict == "unreadable":
+        advice = (
+            f"its replies hold no verdict in the {judge.format!r} format: set the format "
+            "the model answers in (qwen3guard, llamaguard, instructed), or name a guard model",
+        )
+    elif verdict != "ok":
         advice = (
             "give the judge more cores (a single judge up to 4, several 2 each)",
             "serve the judge on a GPU",
@@ -437,4 +453,5 @@ async def check_judge(judge: GuardJudge, ask: Ask) -> JudgeCheck:
         requests_per_s=round(per_s / 2, 3),
         verdict=verdict,
         advice=advice,
+        unreadable=unreadable,
     )

@@ -20,6 +20,8 @@ running = _ctl.running
 Running = Any
 
 SAFE = (("", "Safety: Safe\nCategories: None"),)
+#: A model that answers, but never in the judge's format.
+CHATTY = (("", "Sure! Here is a summary of the meeting notes."),)
 
 
 async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
@@ -28,10 +30,14 @@ async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
     async with trio.open_nursery() as nursery:
         stop = trio.Event()
         endpoints = {}
-        for model, ttft_ms in (("judge", 0.0), ("judge-slow", 700.0)):
+        for model, ttft_ms, replies in (
+            ("judge", 0.0, SAFE),
+            ("judge-slow", 700.0, SAFE),
+            ("chatty", 0.0, CHATTY),
+        ):
             engine = SimEngine(
                 SimConfig(
-                    model=model, tokens_per_second=0, tick_ms=0, ttft_ms=ttft_ms, replies=SAFE
+                    model=model, tokens_per_second=0, tick_ms=0, ttft_ms=ttft_ms, replies=replies
                 )
             )
             address = await nursery.start(serve_http1, engine, "127.0.0.1:0", stop, 1.0)
@@ -57,6 +63,14 @@ async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
         assert all(s is not None for s in doc["alone_s"] + doc["burst_s"])
         assert doc["judgments_per_s"] > 0
         assert doc["advice"] == []
+        assert doc["unreadable"] == 0
+
+        # Answers in time, but none a verdict: said so, not "too slow".
+        doc = await running.json("ctl", "guard", "judge", "check", "--model", "chatty")
+        assert (doc["verdict"], doc["unreadable"]) == ("unreadable", 7)
+        assert "'qwen3guard' format" in doc["advice"][0]
+        text = await running.ok("ctl", "guard", "judge", "check", "--model", "chatty")
+        assert "7 of 7 replies held no verdict in the judge's format" in text
 
         # A policy's judge with a 1 s budget: 0.7 s a judgment is over half of it.
         running.cluster.apply_settings(

@@ -149,6 +149,6 @@ def test_the_starter_model_judges_prompts_and_the_check_times_it(
     assert doc["budget_s"] == 60
     assert len(doc["alone_s"]) == 3
     assert len(doc["burst_s"]) == 4
-    assert doc["verdict"] in ("ok", "tight", "too slow")
+    assert doc["verdict"] in ("ok", "tight", "too slow", "unreadable")
     # What the starter model managed as a judge, in the test's output.
     print("judge check on the starter model:", doc)
