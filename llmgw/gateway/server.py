@@ -4,9 +4,10 @@ gateway uses.
 Why not hypercorn here: under 128 streams hypercorn's layers (protocol
 wrapper, stream objects, event classes, a task group per request) took about
 half of the gateway's CPU, most of it per streamed chunk (profile in
-``docs/performance.md``). This server keeps one task per connection, parses
-requests with h11, and writes responses with h11 straight to the socket.
-The admin API and metrics listeners stay on hypercorn.
+``docs/performance.md``). This server keeps one task per connection, reads
+a plain request head itself (:func:`_plain_head`) and hands any other
+request to h11, and writes answers straight to the socket. The admin API
+and metrics listeners stay on hypercorn.
 
 ASGI subset: ``http`` scopes (``method``, ``path``, ``raw_path``,
 ``query_string``, ``headers``, ``client``, ``server``); ``receive`` yields
