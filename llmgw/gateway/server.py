@@ -4,9 +4,10 @@ gateway uses.
 Why not hypercorn here: under 128 streams hypercorn's layers (protocol
 wrapper, stream objects, event classes, a task group per request) took about
 half of the gateway's CPU, most of it per streamed chunk (profile in
-``docs/performance.md``). This server keeps one task per connection, parses
-requests with h11, and writes responses with h11 straight to the socket.
-The admin API and metrics listeners stay on hypercorn.
+``docs/performance.md``). This server keeps one task per connection, reads
+a plain request head itself (:func:`_plain_head`) and hands any other
+request to h11, and writes answers straight to the socket. The admin API
+and metrics listeners stay on hypercorn.
 
 ASGI subset: ``http`` scopes (``method``, ``path``, ``raw_path``,
 ``query_string``, ``headers``, ``client``, ``server``); ``receive`` yields
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -143,8 +145,92 @@ def _error_body(message: str) -> bytes:
     )
 
 
+#: A request line the fast path takes: a token method, a target of visible
+#: ASCII characters, HTTP/1.1 (anything else goes to h11).
+_REQUEST_LINE: Final = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/1\.1")
+#: A header field line as h11 takes it (token, colon, optional white space,
+#: visible characters with inner spaces, optional white space).
+_FIELD: Final = re.compile(
+    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*"
+    rb"((?:[\x21-\x7e\x80-\xff](?:[ \t\x21-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?)[ \t]*"
+)
+#: Fields that send a request to h11 (framing, expectations, connection
+#: options other than ``keep-alive``).
+_SLOW_FIELDS: Final = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"connection"})
+#: Longest ``Content-Length`` value the fast path reads, in digits.
+_MAX_LENGTH_DIGITS: Final = 18
+
+
+class _Head:
+    """A plain request head read by :func:`_plain_head` (lower-case names)."""
+
+    __slots__ = ("headers", "length", "method", "target")
+
+    def __init__(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], length: int
+    ) -> None:
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.length = length
+
+
+def _plain_head(head: bytes) -> _Head | None:
+    """The request head ``head`` (without its blank line) when it is plain,
+    else ``None`` and h11 reads it.
+
+    Plain: CRLF line ends only (no bare CR or LF, no folding), an HTTP/1.1
+    request line that is not ``HEAD`` or ``CONNECT``, header fields as h11
+    takes them, one ``Host``, at most one ``Content-Length`` of digits, none
+    of :data:`_SLOW_FIELDS` (but ``Connection: keep-alive``), within
+    :data:`MAX_HEAD_BYTES` and :data:`MAX_HEADERS`. Such a head is read here
+    as h11 would read it (names lower case); whatever h11 might refuse or
+    read differently goes to h11, so the limits and refusals stay h11's
+    and :func:`_check_head`'s.
+    """
+    lines = head.split(b"\r\n")
+    if len(lines) > MAX_HEADERS + 1:
+        return None
+    match = _REQUEST_LINE.fullmatch(lines[0])
+    if match is None:
+        return None
+    method, target = match.groups()
+    if method == b"HEAD" or method == b"CONNECT":
+        return None
+    size = len(method) + len(target) + 11
+    headers: list[tuple[bytes, bytes]] = []
+    hosts = 0
+    length = -1
+    for line in lines[1:]:
+        field = _FIELD.fullmatch(line)
+        if field is None:
+            return None
+        name, value = field.groups()
+        name = name.lower()
+        size += len(name) + len(value) + 4
+        if name in _SLOW_FIELDS:
+            if name != b"connection" or value.lower() != b"keep-alive":
+                return None
+        elif name == b"content-length":
+            if length >= 0 or not value.isdigit() or len(value) > _MAX_LENGTH_DIGITS:
+                return None
+            length = int(value)
+        elif name == b"host":
+            hosts += 1
+        headers.append((name, value))
+    if hosts != 1 or size > MAX_HEAD_BYTES:
+        return None
+    return _Head(method, target, headers, max(length, 0))
+
+
 class _Connection:
-    """One client connection: reads requests, runs the app for each in turn."""
+    """One client connection: reads requests, runs the app for each in turn.
+
+    A plain request head (:func:`_plain_head`) is read here and its answer
+    framed here; any other request is handed to an h11 connection made for
+    it, fed the bytes held so far, for that request and its answer; what
+    h11 holds after it (a pipelined next request) comes back here.
+    """
 
     def __init__(
         self,
@@ -155,7 +241,20 @@ class _Connection:
     ) -> None:
         self.stream = stream
         self.app = app
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        #: The h11 connection of the request in hand when it was not plain.
+        self.h11: h11.Connection | None = None
+        #: Bytes read and not yet taken (between requests, or a plain
+        #: request's body and what follows it).
+        self.buf = bytearray()
+        #: The client closed its side (no more bytes will come).
+        self.eof = False
+        #: Body bytes of the plain request in hand not yet read.
+        self.body_left = 0
+        #: A plain request's answer has begun (its head was written).
+        self.answering = False
+        #: Body bytes a plain request's answer still owes its
+        #: ``Content-Length`` (``-1``: chunked or none).
+        self.length_left = -1
         self.server = server
         self.client = client
         self.busy = False
@@ -171,13 +270,56 @@ class _Connection:
         #: The answer being sent is chunked (its body framed here, not by h11).
         self.chunked = False
 
+    def _h11(self) -> h11.Connection:
+        """The h11 connection of the request in hand (one not plain)."""
+        connection = self.h11
+        assert connection is not None
+        return connection
+
     async def _read_event(self) -> Any:
+        connection = self._h11()
         while True:
-            event = self.h11.next_event()
+            event = connection.next_event()
             if event is not h11.NEED_DATA:
                 return event
             data = await self.stream.receive_some(READ_SIZE)
-            self.h11.receive_data(bytes(data))
+            connection.receive_data(bytes(data))
+
+    async def _receive(self) -> bool:
+        """Read more bytes into :attr:`buf`; False at the client's EOF."""
+        if self.eof:
+            return False
+        data = await self.stream.receive_some(READ_SIZE)
+        if not data:
+            self.eof = True
+            return False
+        self.buf += data
+        return True
+
+    async def _read_head(self) -> h11.Request | _Head | Any:
+        """The next request's head: a :class:`_Head` when plain, else what
+        a new h11 connection fed the held bytes reads (an ``h11.Request``,
+        ``ConnectionClosed``; ``h11.RemoteProtocolError`` raised)."""
+        buf = self.buf
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                head = _plain_head(bytes(buf[:end]))
+                if head is not None:
+                    del buf[: end + 4]
+                    return head
+                break
+            if b"\n\n" in buf or b"\n\r\n" in buf or len(buf) > MAX_HEAD_BYTES:
+                break  # a bare LF's end of head, or too long: h11's to judge
+            if not await self._receive():
+                break
+        connection = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        connection.receive_data(bytes(buf))
+        buf.clear()
+        if self.eof:
+            connection.receive_data(b"")
+        self.h11 = connection
+        return await self._read_event()
 
     async def _send(self, event: Any) -> None:
         if self.gone:
@@ -185,7 +327,7 @@ class _Connection:
             # stays a checkpoint, so an app sending in a loop can be cancelled.
             await trio.lowlevel.checkpoint()
             return
-        data = self.h11.send(event)
+        data = self._h11().send(event)
         if data:
             await self._write(data)
 
@@ -232,11 +374,9 @@ class _Connection:
 
     async def _wait_for_data(self) -> bool:
         """Wait for the first byte of the next request; False on EOF."""
-        if self.h11.trailing_data[0]:
+        if self.buf:
             return True
-        data = await self.stream.receive_some(READ_SIZE)
-        self.h11.receive_data(bytes(data))
-        return bool(data)
+        return await self._receive()
 
     async def serve(self, draining: trio.Event, on_idle: Callable[[], None]) -> None:
         try:
@@ -271,7 +411,7 @@ class _Connection:
                 with trio.move_on_after(FIRST_REQUEST_TIMEOUT_S) as head_scope:
                     if first:
                         self.idle_scope = head_scope
-                    event = await self._read_event()
+                    event = await self._read_head()
                 self.idle_scope = None
                 if isinstance(event, h11.Request):
                     _check_head(event)
@@ -283,7 +423,7 @@ class _Connection:
                 return
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 return
-            if not isinstance(event, h11.Request):
+            if not isinstance(event, (h11.Request, _Head)):
                 return  # closed, timed out, or closed while idle for a stop
             first = False
             self.busy = True
@@ -292,25 +432,38 @@ class _Connection:
             finally:
                 self.busy = False
                 on_idle()
-            if (
-                self.gone
-                or self.h11.our_state is not h11.DONE
-                or self.h11.their_state is not h11.DONE
-            ):
+            if self.gone:
                 return
-            try:
-                self.h11.start_next_cycle()
-            except h11.LocalProtocolError:
+            connection = self.h11
+            if connection is None:
+                continue  # a plain request answered whole: keep alive
+            if connection.our_state is not h11.DONE or connection.their_state is not h11.DONE:
                 return
+            # What h11 read past this request is the next one's.
+            rest, self.eof = connection.trailing_data
+            self.buf = bytearray(rest)
+            self.h11 = None
 
     async def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` with an error body, then close (a request whose
         framing cannot be trusted leaves nothing on the connection to read)."""
         self.unread_body = True
-        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        body = _error_body(message)
+        connection = self.h11
+        if connection is None:
+            if self.answering:
+                self.gone = True
+                return
+            self.answering = True
+            await self._write(
+                b"HTTP/1.1 %d \r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%b" % (status, len(body), body)
+            )
             self.gone = True
             return
-        body = _error_body(message)
+        if connection.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            self.gone = True
+            return
         try:
             await self._send(
                 h11.Response(
@@ -328,36 +481,112 @@ class _Connection:
             pass
         self.gone = True
 
-    async def _run_request(self, request: h11.Request) -> None:
-        target = bytes(request.target)
+    def _start_plain(self, status: int, headers: Any) -> bytes:
+        """A plain request's answer head, framed as h11 frames it: by the
+        app's ``Content-Length``, else chunked (``Transfer-Encoding``
+        replaced); none for 204 and 304."""
+        parts = [b"HTTP/1.1 %d \r\n" % status]
+        length = -1
+        framed = status in (204, 304)
+        if not framed:
+            for name, value in headers:
+                low = name.lower()
+                if low == b"transfer-encoding":
+                    length = -2
+                elif low == b"content-length" and length == -1:
+                    length = int(value)
+        if framed or length >= 0:
+            parts.extend(b"%s: %s\r\n" % (name, value) for name, value in headers)
+            self.chunked = False
+            self.length_left = length if not framed else 0
+        else:
+            for name, value in headers:
+                low = name.lower()
+                if low != b"transfer-encoding" and low != b"content-length":
+                    parts.append(b"%s: %s\r\n" % (name, value))
+            parts.append(b"Transfer-Encoding: chunked\r\n")
+            self.chunked = True
+            self.length_left = -1
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+    async def _run_request(self, request: h11.Request | _Head) -> None:
+        plain = isinstance(request, _Head)
+        if isinstance(request, _Head):
+            target = request.target
+            method = request.method.decode()
+            version = "1.1"
+            headers = request.headers
+            self.body_left = request.length
+            self.answering = False
+        else:
+            target = bytes(request.target)
+            method = request.method.decode()
+            version = request.http_version.decode()
+            headers = [(bytes(k), bytes(v)) for k, v in request.headers]
         path, _, query = target.partition(b"?")
         scope: Scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": request.http_version.decode(),
-            "method": request.method.decode(),
+            "http_version": version,
+            "method": method,
             "scheme": "http",
             "path": path.decode("latin-1"),
             "raw_path": path,
             "query_string": query,
             "root_path": "",
-            "headers": [(bytes(k), bytes(v)) for k, v in request.headers],
+            "headers": headers,
             "client": self.client,
             "server": self.server,
         }
-        head = request.method == b"HEAD"
+        head = method == "HEAD"
         body_done = False
         body_started: float | None = None
         body_bytes = 0
         response_started = False
         response_done = False
 
+        async def receive_plain() -> Message:
+            """The next piece of a plain request's body (Content-Length)."""
+            nonlocal body_done, body_started, body_bytes
+            if self.gone:
+                return {"type": "http.disconnect"}
+            if not self.buf and self.body_left:
+                now = trio.current_time()
+                if body_started is None:
+                    body_started = now
+                due = body_started + BODY_GRACE_S + body_bytes / MIN_BODY_RATE_BYTES_PER_S
+                more = False
+                with trio.move_on_at(min(now + BODY_READ_TIMEOUT_S, due)) as waited:
+                    try:
+                        more = await self._receive()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        more = False
+                if not more:  # broken, closed, or too slow
+                    if not response_started and not self.gone:
+                        if waited.cancelled_caught:
+                            await self._refuse(408, "the request body came too slowly")
+                        elif self.eof:  # closed before the whole body, as h11 refuses it
+                            await self._refuse(400, "malformed HTTP request")
+                    self.gone = True
+                    return {"type": "http.disconnect"}
+            take = min(self.body_left, len(self.buf))
+            body = bytes(self.buf[:take])
+            del self.buf[:take]
+            self.body_left -= take
+            body_bytes += take
+            body_done = not self.body_left
+            return {"type": "http.request", "body": body, "more_body": not body_done}
+
         async def receive() -> Message:
             nonlocal body_done, body_started, body_bytes
             if not body_done:
+                if plain:
+                    return await receive_plain()
                 if self.gone:
                     return {"type": "http.disconnect"}
-                if self.h11.they_are_waiting_for_100_continue and not response_started:
+                connection = self._h11()
+                if connection.they_are_waiting_for_100_continue and not response_started:
                     await self._send(h11.InformationalResponse(status_code=100, headers=[]))
                 event = None
                 now = trio.current_time()
@@ -390,7 +619,8 @@ class _Connection:
                 return {"type": "http.disconnect"}
             # The request is read: wait for the client to go away.
             while not self.gone:
-                if len(self.h11.trailing_data[0]) > MAX_PIPELINED_BYTES:
+                held = len(self.buf) if plain else len(self._h11().trailing_data[0])
+                if held > MAX_PIPELINED_BYTES:
                     # Enough pipelined for now: read no more until this
                     # answer is done (a gone client shows when sending fails).
                     await trio.sleep_forever()
@@ -400,8 +630,11 @@ class _Connection:
                     break
                 if not data:
                     break
-                # A pipelined next request: h11 keeps it for the next cycle.
-                self.h11.receive_data(bytes(data))
+                # A pipelined next request: kept for the next cycle.
+                if plain:
+                    self.buf += data
+                else:
+                    self._h11().receive_data(bytes(data))
             self.gone = True
             return {"type": "http.disconnect"}
 
@@ -413,7 +646,11 @@ class _Connection:
                 if self.gone:
                     await trio.lowlevel.checkpoint()
                     return
-                data = self.h11.send(
+                if plain:
+                    self.answering = True
+                    await self._write(self._start_plain(message["status"], message["headers"]))
+                    return
+                data = self._h11().send(
                     h11.Response(status_code=message["status"], headers=message.get("headers", []))
                 )
                 # h11 chose the framing; a chunked body is framed here.
@@ -433,9 +670,22 @@ class _Connection:
                     # last piece and the end go out in one write.
                     data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
                     if not more:
-                        data += self.h11.send(h11.EndOfMessage()) or b""
+                        data += b"0\r\n\r\n" if plain else self._h11().send(h11.EndOfMessage())
                     if data:
                         await self._write(data)
+                    return
+                if plain:
+                    over = len(body) > self.length_left
+                    if over:
+                        body = body[: self.length_left]
+                    self.length_left -= len(body)
+                    if body:
+                        await self._write(body)
+                    else:
+                        await trio.lowlevel.checkpoint()
+                    if over or (not more and self.length_left):
+                        # Not the declared length: the connection cannot go on.
+                        self.gone = True
                     return
                 if body:
                     await self._send(h11.Data(data=body))
@@ -465,13 +715,36 @@ class _Connection:
         if not response_done:
             self.gone = True
         elif not body_done and not self.gone:
-            await self._drain(request)
+            if plain:
+                await self._drain_plain()
+            else:
+                await self._drain(self._h11(), headers)
 
-    async def _drain(self, request: h11.Request) -> None:
+    async def _drain_plain(self) -> None:
+        """:meth:`_drain` for a plain request: its body's rest by its length."""
+        if self.body_left > DRAIN_LIMIT_BYTES:
+            self.gone = self.unread_body = True
+            return
+        with trio.move_on_after(LINGER_S):
+            while self.body_left:
+                if not self.buf:
+                    try:
+                        if not await self._receive():
+                            break
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        break
+                take = min(self.body_left, len(self.buf))
+                del self.buf[:take]
+                self.body_left -= take
+            if not self.body_left:
+                return
+        self.gone = self.unread_body = True
+
+    async def _drain(self, connection: h11.Connection, headers: list[tuple[bytes, bytes]]) -> None:
         """The app answered without reading the whole body: read and drop a
         small rest that comes at once, so the connection carries the next
         request; a larger or slower one (a 413) closes the connection."""
-        declared = dict(request.headers).get(b"content-length")
+        declared = dict(headers).get(b"content-length")
         if declared is not None and int(declared) > DRAIN_LIMIT_BYTES:
             self.gone = self.unread_body = True
             return

@@ -29,7 +29,7 @@ import orjson
 import trio
 
 from .load import LoadConfig, run_load
-from .overhead import DEFAULT_DURATION_S, DEFAULT_RATES, DEFAULT_WARMUP_S
+from .overhead import DEFAULT_DURATION_S, DEFAULT_RATES, DEFAULT_WARMUP_S, SATURATION_CONCURRENCY
 from .results import format_result
 
 #: ``--json`` (passed as ``as_json``), the same option as the product CLI's.
@@ -136,15 +136,37 @@ def load_command(
     "--warmup-s", default=DEFAULT_WARMUP_S, show_default=True, help="Unmeasured seconds per run."
 )
 @click.option("--no-pin", is_flag=True, help="Do not pin the gateway and the engine to cores.")
+@click.option(
+    "--half-saturation",
+    is_flag=True,
+    help="Instead of --rates: one rate, half what the engine alone serves closed-loop "
+    "(measured first).",
+)
+@click.option(
+    "--saturation-concurrency",
+    type=click.IntRange(min=1, max=1024),
+    default=SATURATION_CONCURRENCY,
+    show_default=True,
+    help="Streams of the closed-loop run that finds the engine's saturation.",
+)
 @_JSON
 def overhead_command(
-    rates: str, modes: str, duration_s: float, warmup_s: float, no_pin: bool, as_json: bool
+    rates: str,
+    modes: str,
+    duration_s: float,
+    warmup_s: float,
+    no_pin: bool,
+    half_saturation: bool,
+    saturation_concurrency: int,
+    as_json: bool,
 ) -> None:
     """Latency and CPU the gateway adds over the sim engine, at rising rates.
 
     About a minute with the defaults. Differences within the measured noise
     show as ~0 (±x ms). Ctrl-C stops it: the rows measured so far are
     printed (with --json too, marked "interrupted") and it exits 130.
+    --half-saturation measures one rate, half the engine's closed-loop
+    requests/s (the added TTFT at half saturation), and says which.
     """
     from .gateway import MODES
     from .overhead import LEGEND, format_rows, run_overhead
@@ -186,10 +208,14 @@ def overhead_command(
             pin=not no_pin,
             on_row=show,
             on_note=note,
+            half_saturation=half_saturation,
+            saturation_concurrency=saturation_concurrency,
         ),
     )
     if as_json:
         doc: dict[str, Any] = {"rows": [row.to_json() for row in rows], "notes": notes}
+        if half_saturation and rows:
+            doc["half_saturation_per_s"] = rows[0].rate_per_s
         if interrupted:
             doc["interrupted"] = True
         _print_json(doc)

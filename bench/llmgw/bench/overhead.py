@@ -59,6 +59,7 @@ __all__ = [
     "DEFAULT_DURATION_S",
     "DEFAULT_RATES",
     "DEFAULT_WARMUP_S",
+    "SATURATION_CONCURRENCY",
     "OverheadRow",
     "run_overhead",
     "start_bench_gateway",
@@ -75,6 +76,8 @@ SLOWER_FACTOR: Final = 2.0
 #: The engine streams this many tokens at this rate (the issue's setup).
 ENGINE_TOKENS: Final = 64
 ENGINE_TOKENS_PER_S: Final = 500
+#: Closed-loop streams of the run that finds the engine's saturation.
+SATURATION_CONCURRENCY: Final = 128
 #: A gateway reaching less than this share of the offered rate is saturated.
 SATURATED_BELOW: Final = 0.9
 START_TIMEOUT_S: Final = 30.0
@@ -301,6 +304,8 @@ async def run_overhead(
     pin: bool = True,
     on_row: Callable[[OverheadRow], object] | None = None,
     on_note: Callable[[str], object] | None = None,
+    half_saturation: bool = False,
+    saturation_concurrency: int = SATURATION_CONCURRENCY,
 ) -> list[OverheadRow]:
     """Run the benchmark; see the module docstring.
 
@@ -313,7 +318,14 @@ async def run_overhead(
         warmup_s: seconds per run not counted.
         pin: pin the gateways and the engine to separate cores when possible.
         on_row: called with each :class:`OverheadRow` as it is measured.
-        on_note: called with a line saying why the rates stopped early.
+        on_note: called with a line saying why the rates stopped early,
+            and with the saturation found for ``half_saturation``.
+        half_saturation: instead of ``rates``, one rate: half the requests/s
+            the engine alone serves closed-loop to ``saturation_concurrency``
+            streams (measured first, ``duration_s`` after ``warmup_s``, the
+            load generator on the engine's core as for the rates): the added
+            TTFT at half saturation (``docs/performance.md``).
+        saturation_concurrency: the streams of that closed-loop run.
 
     Returns:
         The rows, in the order measured. Cancelled (a Ctrl-C), it stops its
@@ -358,6 +370,14 @@ async def run_overhead(
         engine, engine_url = await start_sim_engine(engine_key, engine_cores, env)
         gateways: dict[str, tuple[trio.Process, dict[str, Any]]] = {}
         try:
+            if half_saturation:
+                served = await _saturation(load, engine_url, engine_key, saturation_concurrency)
+                rates = [float(max(1, round(served / 2)))]
+                if on_note is not None:
+                    on_note(
+                        f"the engine alone serves {served:.1f} requests/s to "
+                        f"{saturation_concurrency} streams: measuring at half, {rates[0]:g}/s"
+                    )
             for mode in modes:
                 gateways[mode] = await start_bench_gateway(
                     engine_url, engine_key, mode, Path(scratch) / mode, gateway_cores, env
@@ -401,6 +421,22 @@ async def run_overhead(
                 await stop_process(process)
             await stop_process(engine)
     return rows
+
+
+async def _saturation(
+    load: Callable[[str, str, float], LoadConfig], url: str, key: str, concurrency: int
+) -> float:
+    """The requests/s the engine at ``url`` serves closed-loop to
+    ``concurrency`` streams (the run otherwise shaped as ``load``'s).
+
+    Raises:
+        RuntimeError: the engine answered nothing.
+    """
+    shape = attrs.evolve(load(url, key, 1.0), rate_per_s=None, concurrency=concurrency)
+    result = await run_load(shape)
+    if not result.requests:
+        raise RuntimeError(f"the engine at {url} answered nothing to {concurrency} streams")
+    return result.requests_per_s
 
 
 #: Each added-latency column: its heading and its key in :meth:`OverheadRow.added_ms`.
