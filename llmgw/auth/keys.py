@@ -2,10 +2,11 @@
 
 :func:`new_key` makes a secret and its record; :class:`KeyAuthenticator`
 checks a presented secret against the store with a short in-memory cache
-(``auth.cache_ttl``). A key revoked through this control plane is dropped
-from the cache at once. The admin token (``llmgw-admin-…``,
-:mod:`llmgw.auth.admin_token`) is never a client key: it is refused with a
-message saying so.
+(``auth.cache_ttl``), keyed by the presented secret itself (compared whole),
+so a key seen within the TTL costs a dict look-up, not a SHA-256. A key
+revoked through this control plane is dropped from the cache at once. The
+admin token (``llmgw-admin-…``, :mod:`llmgw.auth.admin_token`) is never a
+client key: it is refused with a message saying so.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class KeyAuthenticator:
     def __init__(self, store: Store, *, cache_ttl_s: float = CACHE_TTL_S) -> None:
         self._store = store
         self._ttl_s = cache_ttl_s
+        #: Presented secret → its record and until when it is trusted.
         self._cache: dict[str, _Cached] = {}
 
     async def authenticate(self, secret: str) -> KeyRecord | None:
@@ -109,12 +111,11 @@ class KeyAuthenticator:
     async def _lookup(self, secret: str) -> KeyRecord | None:
         if not secret.startswith(KEY_PREFIX):
             return None
-        digest = hash_key(secret)
         now = time.monotonic()
-        cached = self._cache.get(digest)
+        cached = self._cache.get(secret)
         if cached is None or cached.until < now:
             try:
-                record = await self._store.find_key_by_hash(digest)
+                record = await self._store.find_key_by_hash(hash_key(secret))
             except StoreError:
                 if cached is None:
                     raise
@@ -124,11 +125,11 @@ class KeyAuthenticator:
             if len(self._cache) >= CACHE_MAX_ENTRIES:
                 self._cache.clear()
             cached = _Cached(record, now + self._ttl_s)
-            self._cache[digest] = cached
+            self._cache[secret] = cached
         return cached.record
 
     def forget(self, key_id: str) -> None:
         """Drop a key from the cache (after a revoke on this control plane)."""
-        for digest, cached in list(self._cache.items()):
+        for secret, cached in list(self._cache.items()):
             if cached.record is not None and cached.record.id == key_id:
-                del self._cache[digest]
+                del self._cache[secret]
