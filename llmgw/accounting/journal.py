@@ -104,21 +104,28 @@ def encode_start(row: UsageRow) -> bytes:
     return _pack_header(len(payload), zlib.crc32(payload)) + payload
 
 
+#: How a "started" record's payload begins (orjson writes no spaces).
+_STARTED_PREFIX: Final = b'{"started":'
+
+
 def read_segment(path: Path) -> list[UsageRow]:
-    """The rows of one segment, in order (:func:`read_records`' rows)."""
-    return read_records(path)[0]
+    """The rows of one segment, in order (:func:`read_records`' rows; its
+    "started" records are checked but not decoded)."""
+    return read_records(path, starts=False)[0]
 
 
-def read_records(path: Path) -> tuple[list[UsageRow], list[UsageRow]]:
+def read_records(path: Path, *, starts: bool = True) -> tuple[list[UsageRow], list[UsageRow]]:
     """The rows and the "started" records of one segment, each in order; a
     torn or corrupt record ends it (logged, the rest of that file skipped).
+    ``starts=False``: the "started" records are skipped undecoded (after
+    their checksum) and the second list is empty.
 
     Raises:
         OSError: the file cannot be read.
     """
     data = path.read_bytes()
     rows: list[UsageRow] = []
-    starts: list[UsageRow] = []
+    started: list[UsageRow] = []
     offset = 0
     end = len(data)
     while offset < end:
@@ -131,16 +138,20 @@ def read_records(path: Path) -> tuple[list[UsageRow], list[UsageRow]]:
         if length > _MAX_RECORD_BYTES or len(payload) < length or zlib.crc32(payload) != crc:
             log.warning("%s: torn or corrupt record at byte %d skipped", path.name, offset)
             break
+        offset_next = start + length
+        if not starts and payload.startswith(_STARTED_PREFIX):
+            offset = offset_next
+            continue
         try:
             doc = orjson.loads(payload)
             if "started" in doc:
-                starts.append(UsageRow(**doc["started"]))
+                started.append(UsageRow(**doc["started"]))
             else:
                 rows.append(UsageRow(**doc))
         except (orjson.JSONDecodeError, TypeError) as exc:
             log.warning("%s: unreadable row at byte %d skipped (%s)", path.name, offset, exc)
-        offset = start + length
-    return rows, starts
+        offset = offset_next
+    return rows, started
 
 
 class UsageJournal:

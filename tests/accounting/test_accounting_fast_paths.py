@@ -14,7 +14,13 @@ import pytest
 
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant, RateLimited, ScopeLimits
-from llmgw.accounting.journal import UsageJournal, encode_row, read_segment, row_doc
+from llmgw.accounting.journal import (
+    UsageJournal,
+    encode_row,
+    read_records,
+    read_segment,
+    row_doc,
+)
 from llmgw.accounting.limiter import Limiter
 from llmgw.accounting.prices import PriceBook
 from llmgw.accounting.usage import UsageWriter
@@ -72,6 +78,21 @@ async def test_rows_written_with_the_fast_encoding_read_back_equal(tmp_path: Pat
     (segment,) = sorted((tmp_path / "j").glob("*.seg"))
     assert read_segment(segment) == _rows()
     assert segment.read_bytes() == b"".join(encode_row(row) for row in _rows())
+
+
+async def test_a_segment_read_for_its_rows_skips_the_started_records(tmp_path: Path) -> None:
+    journal = UsageJournal(tmp_path / "j")
+    first, second = _rows()
+    journal.begin(first.request_id, lambda: attrs.evolve(first, status=503))
+    journal.begin(second.request_id, lambda: attrs.evolve(second, status=503))
+    journal.append(first)
+    journal.close()
+    (segment,) = sorted((tmp_path / "j").glob("*.seg"))
+    assert read_segment(segment) == [first]
+    rows, starts = read_records(segment)
+    assert rows == [first]
+    assert starts == [attrs.evolve(first, status=503), attrs.evolve(second, status=503)]
+    assert read_records(segment, starts=False) == ([first], [])
 
 
 def test_a_window_rolls_at_the_minutes_edge_and_not_before() -> None:
