@@ -182,6 +182,19 @@ async def test_the_key_cache_is_keyed_by_the_whole_secret() -> None:
     assert store.lookups == 3
 
 
+async def test_a_long_secret_is_cached_by_its_digest() -> None:
+    _, record = new_key("k")
+    long_secret = "sk-llmgw-" + "x" * 5000
+    store = _OneKeyStore(attrs.evolve(record, key_hash=hash_key(long_secret)))
+    auth = KeyAuthenticator(store, cache_ttl_s=60)  # type: ignore[arg-type]
+    assert (await auth.check(long_secret)).id == record.id
+    assert (await auth.check(long_secret)).id == record.id
+    assert store.lookups == 1
+    assert list(auth._cache) == [hash_key(long_secret)]
+    auth.forget(record.id)
+    assert not auth._cache
+
+
 def _sample(name: str, labels: dict[str, str]) -> float:
     value = metrics.REGISTRY.get_sample_value(name, labels)
     return 0.0 if value is None else value
