@@ -274,15 +274,31 @@ class Reservation:
         """OpenAI's ``x-ratelimit-*`` headers for the tightest limited
         counters (none for a limiter that limits nothing on the path)."""
         out: list[tuple[bytes, bytes]] = []
-        for kind, figures in (("requests", self.requests), ("tokens", self.tokens)):
+        for (limit, remaining, reset), figures in (
+            (_REQUESTS_HEADERS, self.requests),
+            (_TOKENS_HEADERS, self.tokens),
+        ):
             if figures is None:
                 continue
             out += [
-                (f"x-ratelimit-limit-{kind}".encode(), str(figures.limit).encode()),
-                (f"x-ratelimit-remaining-{kind}".encode(), str(figures.remaining).encode()),
-                (f"x-ratelimit-reset-{kind}".encode(), format_reset(figures.reset_s).encode()),
+                (limit, str(figures.limit).encode()),
+                (remaining, str(figures.remaining).encode()),
+                (reset, format_reset(figures.reset_s).encode()),
             ]
         return out
+
+
+#: The names of the ``x-ratelimit-*`` headers, (limit, remaining, reset), per kind.
+_REQUESTS_HEADERS: Final = (
+    b"x-ratelimit-limit-requests",
+    b"x-ratelimit-remaining-requests",
+    b"x-ratelimit-reset-requests",
+)
+_TOKENS_HEADERS: Final = (
+    b"x-ratelimit-limit-tokens",
+    b"x-ratelimit-remaining-tokens",
+    b"x-ratelimit-reset-tokens",
+)
 
 
 @attrs.frozen
@@ -326,6 +342,9 @@ class Accountant:
         self._open: dict[int, Reservation] = {}
         self._seq = 0
         self._next_prune_s = -math.inf
+        #: id(path) → what ``check`` derives from that path tuple (the
+        #: resolver hands out the same tuple for a key while it is cached).
+        self._plans: dict[int, _Plan] = {}
 
     # -- the request path ------------------------------------------------
 
@@ -391,8 +410,8 @@ class Accountant:
         estimate_tokens = max(estimate_tokens, 0)
 
         reserved = self._check_budgets(path, model, estimate_tokens, images, meshes, now)
-        request_limits = self._limits(path, "rpm", self.default_rpm)
-        token_limits = self._limits(path, "tpm", self.default_tpm)
+        plan = self._plan(path)
+        request_limits, token_limits = plan.request_limits, plan.token_limits
         self._check_rates(request_limits, token_limits, estimate_tokens, now)
 
         # Every check passed: charge everything.
@@ -405,9 +424,9 @@ class Accountant:
         self._seq += 1
         reservation = Reservation(
             model=model,
-            scopes=tuple(level.scope for level in path),
-            request_counters=tuple(scope for scope, _ in request_limits),
-            token_counters=tuple(scope for scope, _ in token_limits),
+            scopes=plan.scopes,
+            request_counters=plan.request_counters,
+            token_counters=plan.token_counters,
             estimate_tokens=estimate_tokens,
             reserved=reserved,
             at=now,
@@ -618,6 +637,33 @@ class Accountant:
                 reserved.append((level.scope, period, needed))
         return tuple(reserved)
 
+    def _plan(self, path: Sequence[ScopeLimits]) -> _Plan:
+        """What ``check`` derives from ``path`` and the defaults, computed
+        once per path tuple (a tuple of frozen levels cannot change; any
+        other sequence is worked out each time)."""
+        defaults = (self.default_rpm, self.default_tpm)
+        if type(path) is tuple:
+            plan = self._plans.get(id(path))
+            if plan is not None and plan.path is path and plan.defaults == defaults:
+                return plan
+        request_limits = self._limits(path, "rpm", self.default_rpm)
+        token_limits = self._limits(path, "tpm", self.default_tpm)
+        plan = _Plan(
+            path=path,
+            defaults=defaults,
+            scopes=tuple(level.scope for level in path),
+            request_limits=tuple(request_limits),
+            token_limits=tuple(token_limits),
+            request_counters=tuple(scope for scope, _ in request_limits),
+            token_counters=tuple(scope for scope, _ in token_limits),
+        )
+        if type(path) is tuple:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            # The plan holds the path, so its id is not reused while cached.
+            self._plans[id(path)] = plan
+        return plan
+
     @staticmethod
     def _limits(
         path: Sequence[ScopeLimits], field: Literal["rpm", "tpm"], default: int | None
@@ -629,13 +675,15 @@ class Accountant:
 
     def _check_rates(
         self,
-        request_limits: list[tuple[str, int]],
-        token_limits: list[tuple[str, int]],
+        request_limits: Sequence[tuple[str, int]],
+        token_limits: Sequence[tuple[str, int]],
         estimate_tokens: int,
         now: float,
     ) -> None:
         refusals: list[RateLimited] = []
-        checks: list[tuple[Literal["requests", "tokens"], Limiter, list[tuple[str, int]], int]] = [
+        checks: list[
+            tuple[Literal["requests", "tokens"], Limiter, Sequence[tuple[str, int]], int]
+        ] = [
             ("requests", self.requests, request_limits, 1),
             ("tokens", self.tokens, token_limits, estimate_tokens),
         ]
@@ -659,6 +707,24 @@ class Accountant:
             raise max(refusals, key=lambda r: r.retry_after_s or 0)
 
 
+#: Most path plans the accountant keeps (cleared when it grows past this).
+_MAX_PLANS: Final = 10_000
+
+
+@attrs.frozen
+class _Plan:
+    """What :meth:`Accountant.check` derives from one path: its scopes, the
+    limited counters with their limits (defaults applied), their names."""
+
+    path: Sequence[ScopeLimits]
+    defaults: tuple[int | None, int | None]
+    scopes: tuple[str, ...]
+    request_limits: tuple[tuple[str, int], ...]
+    token_limits: tuple[tuple[str, int], ...]
+    request_counters: tuple[str, ...]
+    token_counters: tuple[str, ...]
+
+
 def _check_models(path: Sequence[ScopeLimits], model: str) -> None:
     """Raise :class:`ModelNotAllowed` naming the broadest level whose models
     list leaves ``model`` out."""
@@ -667,13 +733,18 @@ def _check_models(path: Sequence[ScopeLimits], model: str) -> None:
             raise ModelNotAllowed(model, level.scope)
 
 
-def _tightest(limiter: Limiter, limits: list[tuple[str, int]], now: float) -> RateFigures | None:
-    best: RateFigures | None = None
+def _tightest(
+    limiter: Limiter, limits: Sequence[tuple[str, int]], now: float
+) -> RateFigures | None:
+    best: tuple[str, int, int] | None = None  # (scope, limit, remaining)
     for scope, limit in limits:
         remaining = limiter.remaining(scope, limit, now)
-        if best is None or remaining < best.remaining:
-            best = RateFigures(scope, limit, remaining, limiter.seconds_to_reset(scope, now))
-    return best
+        if best is None or remaining < best[2]:
+            best = (scope, limit, remaining)
+    if best is None:
+        return None
+    scope, limit, remaining = best
+    return RateFigures(scope, limit, remaining, limiter.seconds_to_reset(scope, now))
 
 
 async def restore_budgets(store: Store, accountant: Accountant) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import struct
 import zlib
@@ -77,33 +78,54 @@ SYNC_INTERVAL_S: Final = 0.2
 WARN_BYTES: Final = 1 << 20
 
 
+#: A row's field names, in their declared order (the payload's key order).
+_ROW_FIELDS: Final = tuple(field.name for field in attrs.fields(UsageRow))
+#: All of a row's values at once, in ``_ROW_FIELDS``' order.
+_row_values: Final = operator.attrgetter(*_ROW_FIELDS)
+_pack_header: Final = _HEADER.pack
+
+
+def row_doc(row: UsageRow) -> dict[str, object]:
+    """``row`` as the JSON object its record holds: the same keys, order and
+    values as ``attrs.asdict(row)`` (``guard_events``' tuples are written as
+    JSON arrays either way), without its generic recursion."""
+    return dict(zip(_ROW_FIELDS, _row_values(row), strict=True))
+
+
 def encode_row(row: UsageRow) -> bytes:
     """One record: header and payload (module docstring)."""
-    payload = orjson.dumps(attrs.asdict(row))
-    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+    payload = orjson.dumps(row_doc(row))
+    return _pack_header(len(payload), zlib.crc32(payload)) + payload
 
 
 def encode_start(row: UsageRow) -> bytes:
     """A "started" record: the row a stream cut now would get."""
-    payload = orjson.dumps({"started": attrs.asdict(row)})
-    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+    payload = orjson.dumps({"started": row_doc(row)})
+    return _pack_header(len(payload), zlib.crc32(payload)) + payload
+
+
+#: How a "started" record's payload begins (orjson writes no spaces).
+_STARTED_PREFIX: Final = b'{"started":'
 
 
 def read_segment(path: Path) -> list[UsageRow]:
-    """The rows of one segment, in order (:func:`read_records`' rows)."""
-    return read_records(path)[0]
+    """The rows of one segment, in order (:func:`read_records`' rows; its
+    "started" records are checked but not decoded)."""
+    return read_records(path, starts=False)[0]
 
 
-def read_records(path: Path) -> tuple[list[UsageRow], list[UsageRow]]:
+def read_records(path: Path, *, starts: bool = True) -> tuple[list[UsageRow], list[UsageRow]]:
     """The rows and the "started" records of one segment, each in order; a
     torn or corrupt record ends it (logged, the rest of that file skipped).
+    ``starts=False``: the "started" records are skipped undecoded (after
+    their checksum) and the second list is empty.
 
     Raises:
         OSError: the file cannot be read.
     """
     data = path.read_bytes()
     rows: list[UsageRow] = []
-    starts: list[UsageRow] = []
+    started: list[UsageRow] = []
     offset = 0
     end = len(data)
     while offset < end:
@@ -116,16 +138,20 @@ def read_records(path: Path) -> tuple[list[UsageRow], list[UsageRow]]:
         if length > _MAX_RECORD_BYTES or len(payload) < length or zlib.crc32(payload) != crc:
             log.warning("%s: torn or corrupt record at byte %d skipped", path.name, offset)
             break
+        offset_next = start + length
+        if not starts and payload.startswith(_STARTED_PREFIX):
+            offset = offset_next
+            continue
         try:
             doc = orjson.loads(payload)
             if "started" in doc:
-                starts.append(UsageRow(**doc["started"]))
+                started.append(UsageRow(**doc["started"]))
             else:
                 rows.append(UsageRow(**doc))
         except (orjson.JSONDecodeError, TypeError) as exc:
             log.warning("%s: unreadable row at byte %d skipped (%s)", path.name, offset, exc)
-        offset = start + length
-    return rows, starts
+        offset = offset_next
+    return rows, started
 
 
 class UsageJournal:
@@ -228,8 +254,8 @@ class UsageJournal:
                 metrics.USAGE_DROPPED.inc(rows)
             log.error("usage journal write failed: %d rows lost (%s)", rows, exc)
             return
+        # The gauge follows at the next commit (a lock per write otherwise).
         self._active_bytes += len(record)
-        self._update_gauge()
         if not self._unsynced:
             self._unsynced = True
             self._wake.set()
@@ -244,6 +270,7 @@ class UsageJournal:
         (nothing when all is synced).
         """
         if self.sync_interval_s > 0:
+            self._update_gauge()
             await self._sync()
             return
         async with self._lock:

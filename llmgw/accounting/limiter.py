@@ -61,6 +61,8 @@ class Window:
         """Move the window to ``now``'s minute: one minute on, ``current``
         becomes ``previous``; two or more, everything is 0. A clock that went
         back leaves the window as it is."""
+        if now < self.start + WINDOW_S:
+            return  # still ``start``'s minute (or a clock that went back)
         minute = minute_of(now)
         if minute <= self.start:
             return

@@ -2,8 +2,10 @@
 
 :func:`new_key` makes a secret and its record; :class:`KeyAuthenticator`
 checks a presented secret against the store with a short in-memory cache
-(``auth.cache_ttl``). A key revoked through this control plane is dropped
-from the cache at once. The admin token (``llmgw-admin-…``,
+(``auth.cache_ttl``), keyed by the presented secret itself (compared whole;
+by its SHA-256 when longer than a key), so a key seen within the TTL costs a
+dict look-up, not a SHA-256. A key revoked through this control plane is
+dropped from the cache at once. The admin token (``llmgw-admin-…``,
 :mod:`llmgw.auth.admin_token`) is never a client key: it is refused with a
 message saying so.
 """
@@ -29,6 +31,9 @@ KEY_PREFIX: Final = "sk-llmgw-"
 CACHE_TTL_S: Final = 5.0
 #: Most cached entries; the cache is cleared when it grows past this.
 CACHE_MAX_ENTRIES: Final = 100_000
+#: Secrets up to this many characters are cached by themselves, longer ones
+#: by their SHA-256 (a key made by :func:`new_key` has 52).
+_CACHED_SECRET_CHARS: Final = 64
 
 
 def hash_key(secret: str) -> str:
@@ -74,6 +79,7 @@ class KeyAuthenticator:
     def __init__(self, store: Store, *, cache_ttl_s: float = CACHE_TTL_S) -> None:
         self._store = store
         self._ttl_s = cache_ttl_s
+        #: Presented secret → its record and until when it is trusted.
         self._cache: dict[str, _Cached] = {}
 
     async def authenticate(self, secret: str) -> KeyRecord | None:
@@ -109,12 +115,17 @@ class KeyAuthenticator:
     async def _lookup(self, secret: str) -> KeyRecord | None:
         if not secret.startswith(KEY_PREFIX):
             return None
-        digest = hash_key(secret)
         now = time.monotonic()
-        cached = self._cache.get(digest)
+        # A secret of a key's length is its own cache key (no SHA-256 per
+        # request); a longer one is cached by its digest, so bogus long
+        # secrets cannot make the cache large.
+        slot = secret if len(secret) <= _CACHED_SECRET_CHARS else hash_key(secret)
+        cached = self._cache.get(slot)
         if cached is None or cached.until < now:
             try:
-                record = await self._store.find_key_by_hash(digest)
+                record = await self._store.find_key_by_hash(
+                    hash_key(secret) if slot is secret else slot
+                )
             except StoreError:
                 if cached is None:
                     raise
@@ -124,11 +135,11 @@ class KeyAuthenticator:
             if len(self._cache) >= CACHE_MAX_ENTRIES:
                 self._cache.clear()
             cached = _Cached(record, now + self._ttl_s)
-            self._cache[digest] = cached
+            self._cache[slot] = cached
         return cached.record
 
     def forget(self, key_id: str) -> None:
         """Drop a key from the cache (after a revoke on this control plane)."""
-        for digest, cached in list(self._cache.items()):
+        for slot, cached in list(self._cache.items()):
             if cached.record is not None and cached.record.id == key_id:
-                del self._cache[digest]
+                del self._cache[slot]

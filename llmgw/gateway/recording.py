@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Container
+from typing import Final
 
 import trio
+from prometheus_client import Counter
 
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant
@@ -18,6 +20,32 @@ from .request import Outcome, Request
 from .sse import Usage
 
 __all__ = ["Recorder"]
+
+#: Most model labels whose metric children are kept bound (catalog names and "").
+_MAX_LABELS: Final = 10_000
+
+
+class _Children:
+    """One model label's metric children, bound once (``labels()`` validates
+    and locks on every call)."""
+
+    __slots__ = ("cached", "completion", "duration", "label", "prompt", "statuses", "ttft")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.duration = metrics.REQUEST_DURATION.labels(label)
+        self.ttft = metrics.TTFT.labels(label)
+        self.prompt = metrics.TOKENS.labels(label, "prompt")
+        self.cached = metrics.TOKENS.labels(label, "cached")
+        self.completion = metrics.TOKENS.labels(label, "completion")
+        #: HTTP status → its ``llmgw_requests`` child.
+        self.statuses: dict[int, Counter] = {}
+
+    def requests(self, status: int) -> Counter:
+        child = self.statuses.get(status)
+        if child is None:
+            child = self.statuses[status] = metrics.REQUESTS.labels(self.label, str(status))
+        return child
 
 
 class Recorder:
@@ -36,6 +64,16 @@ class Recorder:
         self._usage = usage
         self._accountant = accountant
         self._accounting = accounting
+        #: Model label → its metric children (labels are catalog names or "").
+        self._children: dict[str, _Children] = {}
+
+    def _metrics(self, label: str) -> _Children:
+        children = self._children.get(label)
+        if children is None:
+            if len(self._children) >= _MAX_LABELS:
+                self._children.clear()
+            children = self._children[label] = _Children(label)
+        return children
 
     def record(
         self, request: Request, outcome: Outcome, catalog: Container[str]
@@ -53,16 +91,20 @@ class Recorder:
         usage = outcome.usage
         duration_s = time.perf_counter() - request.started
         label = request.model if request.model in catalog else ""
-        served = outcome.served or label
         ttft_s = outcome.ttft_s
-        metrics.REQUESTS.labels(label, str(status)).inc()
-        metrics.REQUEST_DURATION.labels(label).observe(duration_s)
+        children = self._metrics(label)
+        children.requests(status).inc()
+        children.duration.observe(duration_s)
         if ttft_s is not None:
-            metrics.TTFT.labels(label).observe(ttft_s)
+            children.ttft.observe(ttft_s)
         if usage is not None:
-            metrics.TOKENS.labels(label, "prompt").inc(usage.prompt_tokens)
-            metrics.TOKENS.labels(label, "cached").inc(usage.cached_tokens)
-            metrics.TOKENS.labels(label, "completion").inc(usage.completion_tokens)
+            # inc(0) changes nothing but takes the child's lock.
+            if usage.prompt_tokens:
+                children.prompt.inc(usage.prompt_tokens)
+            if usage.cached_tokens:
+                children.cached.inc(usage.cached_tokens)
+            if usage.completion_tokens:
+                children.completion.inc(usage.completion_tokens)
         verdict = outcome.verdict
         if verdict is not None:
             metrics.GUARD_DURATION.observe(verdict.seconds)
@@ -72,9 +114,9 @@ class Recorder:
         if key is None or not self._accounting:
             return None
         cost_micros = 0
+        now = time.time()
         reservation = request.reservation
         if reservation is not None and self._accountant is not None:
-            now = time.time()
             if usage is not None:
                 cost_micros = self._accountant.settle(
                     reservation,
@@ -82,12 +124,21 @@ class Recorder:
                     cached=usage.cached_tokens,
                     completion=usage.completion_tokens,
                     now=now,
-                    served_model=served or None,
+                    served_model=outcome.served or label or None,
                 )
             else:
                 self._accountant.release(reservation, now)
         return self._usage.record(
-            _row(request, outcome, catalog, status=status, usage=usage, cost_micros=cost_micros)
+            _row(
+                request,
+                outcome,
+                label,
+                status=status,
+                usage=usage,
+                cost_micros=cost_micros,
+                created_at=now,
+                duration_s=duration_s,
+            )
         )
 
     def begin(self, request: Request, outcome: Outcome, catalog: Container[str]) -> None:
@@ -98,9 +149,19 @@ class Recorder:
             return
 
         def snapshot() -> UsageRow:
+            label = request.model if request.model in catalog else ""
             progress = outcome.progress
             usage = outcome.usage or (progress() if progress is not None else None)
-            return _row(request, outcome, catalog, status=503, usage=usage, cost_micros=0)
+            return _row(
+                request,
+                outcome,
+                label,
+                status=503,
+                usage=usage,
+                cost_micros=0,
+                created_at=time.time(),
+                duration_s=time.perf_counter() - request.started,
+            )
 
         self._usage.begin(request.request_id, snapshot)
 
@@ -108,30 +169,40 @@ class Recorder:
 def _row(
     request: Request,
     outcome: Outcome,
-    catalog: Container[str],
+    label: str,
     *,
     status: int,
     usage: Usage | None,
     cost_micros: int,
+    created_at: float,
+    duration_s: float,
 ) -> UsageRow:
+    """``request``'s usage row; ``label``: its model when the catalog has
+    it, else ``""``; ``created_at`` in epoch seconds."""
     key = request.key
     assert key is not None
-    label = request.model if request.model in catalog else ""
     served = outcome.served or label
     ttft_s = outcome.ttft_s
-    duration_s = time.perf_counter() - request.started
     project_id, team_id, org_id = request.scope_ids
     verdict = outcome.verdict
+    if usage is not None:
+        prompt, cached, completion = (
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.completion_tokens,
+        )
+    else:
+        prompt = cached = completion = 0
     return UsageRow(
         request_id=request.request_id,
-        created_at=time.time(),
+        created_at=created_at,
         key_id=key.id,
         model=label or request.model[:200],
         served_model=served if served != label else "",
         status=status,
-        prompt_tokens=usage.prompt_tokens if usage else 0,
-        cached_tokens=usage.cached_tokens if usage else 0,
-        completion_tokens=usage.completion_tokens if usage else 0,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
         cost_micros=cost_micros,
         duration_ms=round(duration_s * 1000, 3),
         ttft_ms=None if ttft_s is None else round(ttft_s * 1000, 3),
