@@ -14,7 +14,7 @@ the engine's later text for it is dropped, its usage still counted.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import orjson
 
@@ -26,6 +26,7 @@ from llmgw.router.router import Router
 from llmgw.store import ModelRecord
 
 from .chat_stream import DONE, ChatChunkReader
+from .guarded_fast import FastStream
 from .sse import SseRelay, Usage
 from .upstream import UpstreamError
 
@@ -130,8 +131,22 @@ class GuardedStream:
     def done(self) -> bool:
         return self._shape.done
 
+    #: The fast path (:class:`~llmgw.gateway.guarded_fast.FastStream`),
+    #: built on the first :meth:`feed`; False where there is none.
+    _fast: FastStream | Literal[False] | None = None
+
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return what the client gets now."""
+        # -- the fast path (guarded_fast.py): plain content events in bytes
+        fast = self._fast
+        if fast is None:
+            built = FastStream.build(
+                self._shape, self._guard, self._guarded, self._flush, self._open
+            )
+            fast = self._fast = built if built is not None else False
+        if fast:
+            return fast.feed(data)
+        # --
         docs = self._reader.feed(data)
         if self._passthrough:
             self._guarded(docs)
@@ -142,6 +157,10 @@ class GuardedStream:
 
     def finish(self) -> bytes:
         """The engine closed the stream: the last event, anything held, the end."""
+        # -- the fast path (guarded_fast.py)
+        if self._fast:
+            return self._fast.finish()
+        # --
         if self._passthrough:
             self._guarded(self._reader.close())
             return self._shape.finish()
