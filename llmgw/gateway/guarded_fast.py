@@ -160,8 +160,8 @@ class FastStream:
 
     def feed(self, data: bytes) -> bytes:
         """``GuardedStream.feed``: take engine bytes; return what the client gets now."""
-        raw = data
-        if self._after_cr or b"\r" in data:
+        raw, after_cr = data, self._after_cr
+        if after_cr or b"\r" in data:
             data, self._after_cr = normalize_line_ends(data, self._after_cr)
         pending = self._buffer
         buffer = pending + data if pending else data
@@ -181,12 +181,13 @@ class FastStream:
         if (
             out is buffer
             and raw is data
+            and not after_cr
             and not pending
             and not self._buffer
             and b"[DONE]" not in raw
         ):
             # Whole events, each plain content: what the relay would do
-            # (its buffer, like ours, empty before and after).
+            # (its buffer and line end state, like ours, empty before and after).
             self._relay.content_chunks += self._count
             return raw
         return self._relay.feed(raw)
