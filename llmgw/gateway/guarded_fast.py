@@ -160,8 +160,8 @@ class FastStream:
 
     def feed(self, data: bytes) -> bytes:
         """``GuardedStream.feed``: take engine bytes; return what the client gets now."""
-        raw, after_cr = data, self._after_cr
-        if after_cr or b"\r" in data:
+        raw = data
+        if self._after_cr or b"\r" in data:
             data, self._after_cr = normalize_line_ends(data, self._after_cr)
         pending = self._buffer
         buffer = pending + data if pending else data
@@ -178,18 +178,10 @@ class FastStream:
         verdict.seconds = spent + (_clock() - started)
         if not self._passthrough:
             return out
-        if (
-            out is buffer
-            and raw is data
-            and not after_cr
-            and not pending
-            and not self._buffer
-            and b"[DONE]" not in raw
-        ):
-            # Whole events, each plain content: what the relay would do
-            # (its buffer and line end state, like ours, empty before and after).
-            self._relay.content_chunks += self._count
-            return raw
+        if self._count >= 0 and b"[DONE]" not in out:
+            # Whole events, each plain content: the relay, which splits as
+            # we do, would send them as they are and keep what we keep.
+            return self._relay.feed_split(out, self._count, self._buffer, self._after_cr)
         return self._relay.feed(raw)
 
     def finish(self) -> bytes:
@@ -276,7 +268,8 @@ class FastStream:
         if slow:
             parts.append(self._ordinary(slow))
         if passthrough:
-            self._count = count
+            # -1: some event was not plain content (the relay must see them).
+            self._count = -1 if parts or slow else count
         else:
             self._relay.content_chunks += count
         if not parts and cut + 2 == len(buffer):
