@@ -31,6 +31,7 @@ __all__ = [
     "answer_choice",
     "engine_error",
     "first_choice",
+    "parse_event",
     "reasoning_text",
 ]
 
@@ -67,16 +68,19 @@ class ChatChunkReader:
             self._buffer = buffer
             return []
         complete, self._buffer = buffer[:cut], buffer[cut + 2 :]
-        return [doc for event in complete.split(b"\n\n") if (doc := _parse(event)) is not None]
+        return [doc for event in complete.split(b"\n\n") if (doc := parse_event(event)) is not None]
 
     def close(self) -> list[Any]:
         """The documents in a last event the stream did not end with a blank line."""
         rest, self._buffer = self._buffer, b""
-        doc = _parse(rest.rstrip(b"\n"))
+        doc = parse_event(rest.rstrip(b"\n"))
         return [] if doc is None else [doc]
 
 
-def _parse(event: bytes) -> Any:
+def parse_event(event: bytes) -> Any:
+    """One SSE event (its lines, without the blank line that ends it) as
+    :meth:`ChatChunkReader.feed` yields it: its ``data:`` lines' JSON,
+    :data:`DONE`, or None (no data, or data that is not JSON)."""
     if event.startswith(b"data:") and b"\n" not in event:
         payload = event[5:].strip()  # the common case: one data line
     else:

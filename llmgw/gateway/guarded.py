@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import orjson
 import trio
@@ -30,6 +30,7 @@ from llmgw.settings import GuardJudge
 from llmgw.store import ModelRecord
 
 from .chat_stream import DONE, ChatChunkReader
+from .guarded_fast import FastStream
 from .sse import SseRelay, Usage
 from .upstream import UpstreamError
 
@@ -146,8 +147,22 @@ class GuardedStream:
     def done(self) -> bool:
         return self._shape.done
 
+    #: The fast path (:class:`~llmgw.gateway.guarded_fast.FastStream`),
+    #: built on the first :meth:`feed`; False where there is none.
+    _fast: FastStream | Literal[False] | None = None
+
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return what the client gets now."""
+        # -- the fast path (guarded_fast.py): plain content events in bytes
+        fast = self._fast
+        if fast is None:
+            built = FastStream.build(
+                self._shape, self._guard, self._guarded, self._flush, self._open
+            )
+            fast = self._fast = built if built is not None else False
+        if fast:
+            return fast.feed(data)
+        # --
         docs = self._reader.feed(data)
         if self._passthrough:
             self._guarded(docs)
@@ -158,6 +173,10 @@ class GuardedStream:
 
     def finish(self) -> bytes:
         """The engine closed the stream: the last event, anything held, the end."""
+        # -- the fast path (guarded_fast.py)
+        if self._fast:
+            return self._fast.finish()
+        # --
         if self._passthrough:
             self._guarded(self._reader.close())
             return self._shape.finish()

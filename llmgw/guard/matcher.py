@@ -55,6 +55,12 @@ def compile_database(patterns: Sequence[bytes], flags: Sequence[int]) -> hypersc
     return database
 
 
+def _collect(ident: int, start: int, end: int, _flags: int, found: object) -> None:
+    """Hyperscan's match callback: each report into ``found`` (the scan's
+    context, a ``list[tuple[int, int, int]]``)."""
+    found.append((ident, start, end))  # type: ignore[attr-defined]
+
+
 class Matcher:
     """``rules`` in one database; :meth:`scan` finds their hits in one pass."""
 
@@ -77,27 +83,28 @@ class Matcher:
         """The hits in ``data``, in order, none overlapping."""
         if self._database is None or not data:
             return []
+        found: list[tuple[int, int, int]] = []
+        # Positional arguments: hyperscan's keyword parsing costs more than
+        # a short scan itself.
+        self._database.scan(data, _collect, 0, found, self._scratch)
+        if not found:
+            return []
         ends: dict[tuple[int, int], list[int]] = {}
-
-        def on_match(ident: int, start: int, end: int, _flags: int, _context: object) -> None:
-            found = ends.get((ident, start))
-            if found is None:
+        for ident, start, end in found:
+            known = ends.get((ident, start))
+            if known is None:
                 ends[(ident, start)] = [end]
             else:
-                found.append(end)
-
-        self._database.scan(data, match_event_handler=on_match, scratch=self._scratch)
-        if not ends:
-            return []
+                known.append(end)
         candidates: list[tuple[int, int, int, int]] = []
         rules = self.rules
-        for (ident, start), found in ends.items():
+        for (ident, start), stops in ends.items():
             check = rules[ident].kind.check
             if check is None:
-                end = max(found)
+                end = max(stops)
                 candidates.append((start, start - end, ident, end))
                 continue
-            for end in sorted(found, reverse=True):
+            for end in sorted(stops, reverse=True):
                 if check(data, start, end):
                     candidates.append((start, start - end, ident, end))
                     break

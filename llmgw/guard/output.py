@@ -30,15 +30,36 @@ __all__ = ["HOLD_BYTES", "OutputGuard"]
 #: span words, the whole window. Rules that only flag hold nothing back:
 #: they scan the last :data:`HOLD_BYTES` sent with the new text.
 HOLD_BYTES: Final = 96
-#: A word that may be part of a value of several words: card, phone and
-#: IBAN groups, a private key block's header.
-_CONTINUABLE: Final = re.compile(rb"[A-Z0-9+().\-]+\Z")
+#: The bytes of a word that may be part of a value of several words (card,
+#: phone and IBAN groups, a private key block's header): its tail that may
+#: go on starts with one of :data:`_FIRST` and goes on with :data:`_NEXT`.
+_FIRST: Final = rb"A-Z0-9+().\-"
+_NEXT: Final = _FIRST
 #: With person names redacted or blocked: also a capitalised word (a name
 #: may go on with a surname: ``Maria`` before `` Lopez`` comes).
-_CONTINUABLE_NAMES: Final = re.compile(rb"[A-Z0-9+().\-][A-Za-z0-9+().'\-\x80-\xff]*\Z")
+_NEXT_NAMES: Final = rb"A-Za-z0-9+().'\-\x80-\xff"
 _SPACE: Final = b" \t\r\n"
 _PLACEHOLDER: Final = re.compile(r"\[[A-Z][A-Z_]*_\d+\]")
 _OPEN_PLACEHOLDER: Final = re.compile(r"\[[A-Z_0-9]{0,40}\Z")
+
+
+def _held_tail(first: bytes, following: bytes) -> re.Pattern[bytes]:
+    """What :func:`_word_release` holds back, matched at the start of the
+    text reversed: the unfinished last word, then each whole word before it
+    (spaces or tabs between) that may go on a value (its first byte in
+    ``first``, the rest in ``following``), then at most the tail of one
+    more word that may go on, unless that tail is glued to a letter or
+    digit. Possessive and atomic, so no shorter tail is tried."""
+    tail = rb"(?>[" + following + rb"]*[" + first + rb"])"
+    return re.compile(
+        rb"[^ \t\r\n]*+"
+        rb"(?:[ \t]*+" + tail + rb"(?=[ \t\r\n]|\Z))*+"
+        rb"(?:[ \t]*+" + tail + rb"(?=[^ \t\r\nA-Za-z0-9]))?"
+    )
+
+
+_CONTINUABLE: Final = _held_tail(_FIRST, _NEXT)
+_CONTINUABLE_NAMES: Final = _held_tail(_FIRST, _NEXT_NAMES)
 
 
 def _word_release(held: bytes, continuable: re.Pattern[bytes] = _CONTINUABLE) -> int:
@@ -47,30 +68,12 @@ def _word_release(held: bytes, continuable: re.Pattern[bytes] = _CONTINUABLE) ->
     that may continue a value of several words (digits, capitals,
     separators), never holding more than :data:`HOLD_BYTES`. A word glued
     to punctuation (``{"to":"4111``, JSON arguments) holds back from where
-    its continuable tail starts."""
-    floor = len(held) - HOLD_BYTES
-    end = len(held)
-    if end and held[-1] not in _SPACE:
-        end = max(held.rfind(c, 0, end) for c in (b" ", b"\n", b"\t", b"\r")) + 1
-    while end > max(floor, 0):
-        j = end
-        while j > 0 and held[j - 1] in b" \t":
-            j -= 1
-        i = j
-        while i > 0 and held[i - 1] not in _SPACE:
-            i -= 1
-        tail = continuable.search(held, i, j) if i < j else None
-        if tail is None:
-            break
-        start = tail.start()
-        if start > i:
-            # Only this word's tail may go on, unless it is glued to a
-            # letter or digit (``tok1``: no value starts there).
-            if not held[start - 1 : start].isalnum():
-                end = start
-            break
-        end = i
-    return max(end, floor)
+    its continuable tail starts. One match over the text reversed
+    (``continuable``: :data:`_CONTINUABLE` or :data:`_CONTINUABLE_NAMES`)."""
+    size = len(held)
+    match = continuable.match(held[::-1])
+    hold = match.end() if match is not None else 0
+    return size - (hold if hold < HOLD_BYTES else HOLD_BYTES) if size else 0
 
 
 class _Choice:
@@ -162,6 +165,45 @@ class OutputGuard:
             self._verdict.seconds += time.perf_counter() - started
             self._choices.pop(-1, None)
 
+    @property
+    def plain_bytes(self) -> bool:
+        """Whether :meth:`feed_plain` and :meth:`note_plain` may stand for
+        :meth:`feed` (no placeholders to restore)."""
+        return not self._restore
+
+    @property
+    def verdict(self) -> Verdict:
+        """Where what is found is recorded (its ``seconds`` included)."""
+        return self._verdict
+
+    def feed_plain(self, index: int, data: bytes) -> tuple[bytes, bool]:
+        """:meth:`feed` for a piece of text in UTF-8 when nothing is
+        restored (:attr:`plain_bytes`); not timed (the caller adds to
+        ``verdict.seconds``). Returns the UTF-8 bytes that may be sent now
+        (``data`` itself when it all goes as it came) and whether the
+        choice is stopped now."""
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = _Choice()
+        if choice.stopped:
+            return b"", True
+        if not self._checks:
+            return data, False
+        if not self._acts:
+            self._flags(choice, data)
+            return data, False
+        return self._act(choice, data, end=False)
+
+    def note_plain(self, index: int, data: bytes) -> None:
+        """:meth:`feed` for a piece of text in UTF-8 when the rules only
+        flag (not :attr:`changes_text`): record what the window shows, send
+        the text as it came; not timed."""
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = _Choice()
+        if self._checks and not choice.stopped:
+            self._flags(choice, data)
+
     def _feed(self, index: int, text: str, *, end: bool) -> tuple[str, bool]:
         choice = self._choices.get(index)
         if choice is None:
@@ -179,25 +221,49 @@ class OutputGuard:
         if not self._checks:
             return text, False
         if not self._acts:
-            # Flags only: send at once; scan what came with the tail before it.
-            data = text.encode("utf-8", "surrogatepass")
-            window = choice.held + data
-            for hit in self._rules.matcher.scan(window):
-                if hit.end > len(choice.held):
-                    self._verdict.note(hit.rule.kind.rule, hit.rule.action, "output")
-            choice.held = window[-HOLD_BYTES:]
+            self._flags(choice, text.encode("utf-8", "surrogatepass"))
             return text, False
-        held = choice.held + text.encode("utf-8", "surrogatepass")
+        out, stopped = self._act(choice, text.encode("utf-8", "surrogatepass"), end=end)
+        return out.decode("utf-8", "surrogatepass"), stopped
+
+    def _flags(self, choice: _Choice, data: bytes) -> None:
+        """Flags only: scan what came with the tail before it."""
+        window = choice.held + data
+        held = len(choice.held)
+        for hit in self._rules.matcher.scan(window):
+            if hit.end > held:
+                self._verdict.note(hit.rule.kind.rule, hit.rule.action, "output")
+        choice.held = window[-HOLD_BYTES:]
+
+    def _act(self, choice: _Choice, data: bytes, *, end: bool) -> tuple[bytes, bool]:
+        """Some rule may change or stop the text: release what no rule can
+        still reach, guarded (``data`` itself when it all goes unchanged)."""
+        old = choice.held
+        held = old + data if old else data
+        size = len(held)
         if end:
-            release = len(held)
+            release = size
         elif self._word_hold:
             release = _word_release(held, self._continuable)
         else:
-            release = len(held) - HOLD_BYTES
-        while 0 < release < len(held) and (held[release] & 0xC0) == 0x80:
+            release = size - HOLD_BYTES
+        while 0 < release < size and (held[release] & 0xC0) == 0x80:
             release -= 1  # not inside a character
         max_chars = self._rules.max_chars
         hits = self._rules.matcher.scan(held)
+        if not hits:
+            if release <= 0:
+                choice.held = held
+                return b"", False
+            out = held if release >= size else held[:release]
+            choice.held = held[release:] if release < size else b""
+            if not max_chars:
+                return out, False
+            chars = len(out) if out.isascii() else len(out.decode("utf-8", "surrogatepass"))
+            if choice.sent_chars + chars <= max_chars:
+                choice.sent_chars += chars
+                return out, False
+            return self._stopped(choice, out, "max_chars"), True
         blocking = next((hit for hit in hits if hit.rule.action == "block"), None)
         if blocking is not None:
             release = blocking.start
@@ -208,24 +274,31 @@ class OutputGuard:
                     break
         if release <= 0 and blocking is None:
             choice.held = held
-            return "", False
+            return b"", False
         done = [hit for hit in hits if hit.end <= release]
         try:
             out = apply_hits(held[:release], done, self._verdict, self._redactor, what="answer")
         except ContentFiltered:  # pragma: no cover - blocking hits end after release
             out = b""
-        sent = out.decode("utf-8", "surrogatepass")
         choice.held = held[release:]
-        if max_chars and choice.sent_chars + len(sent) > max_chars:
-            sent = sent[: max(0, max_chars - choice.sent_chars)]
-            blocking_rule = "max_chars"
-        elif blocking is not None:
-            blocking_rule = blocking.rule.kind.rule
-        else:
-            choice.sent_chars += len(sent)
-            return sent, False
+        if max_chars:
+            chars = len(out) if out.isascii() else len(out.decode("utf-8", "surrogatepass"))
+            if choice.sent_chars + chars > max_chars:
+                return self._stopped(choice, out, "max_chars"), True
+            choice.sent_chars += chars
+        if blocking is None:
+            return out, False
+        return self._stopped(choice, out, blocking.rule.kind.rule), True
+
+    def _stopped(self, choice: _Choice, out: bytes, rule: str) -> bytes:
+        """Stop the choice by ``rule``; what of ``out`` is still sent
+        (cut to ``max_chars`` characters)."""
+        max_chars = self._rules.max_chars
+        if max_chars and rule == "max_chars":
+            keep = max(0, max_chars - choice.sent_chars)
+            out = out.decode("utf-8", "surrogatepass")[:keep].encode("utf-8", "surrogatepass")
         choice.stopped = True
         choice.held = b""
-        self._verdict.note(blocking_rule, "block", "output")
+        self._verdict.note(rule, "block", "output")
         self._verdict.stopped = True
-        return sent, True
+        return out

@@ -11,5 +11,7 @@ def test_the_guard_bench_reports_each_policy_and_the_re_loop() -> None:
         ("prompt scan, prose", "baseline"),
         ("prompt scan, numbers", "observe"),
         ("64-token answer streamed", "baseline"),
+        ("64-event stream relayed, leading spaces", "observe"),
+        ("64-event stream relayed, trailing spaces", "off"),
     }
     assert all(row["us"] > 0 for row in rows)

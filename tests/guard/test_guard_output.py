@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from llmgw.guard import Guards, Redactor, Verdict, guard_chat_doc
-from llmgw.guard.output import HOLD_BYTES, OutputGuard
+from llmgw.guard.output import (
+    _CONTINUABLE,
+    _CONTINUABLE_NAMES,
+    HOLD_BYTES,
+    OutputGuard,
+    _word_release,
+)
 from llmgw.settings import settings_from_doc
 
 
@@ -131,3 +141,43 @@ def test_a_person_name_split_over_pieces_is_redacted_whole_and_placeholders_stab
     assert not stopped
     assert sent == "Dear [PERSON_1], and [PERSON_2]: hi"
     assert verdict.events == {("input", "pii:person"): "redact", ("output", "pii:person"): "redact"}
+
+
+def _word_release_by_words(held: bytes, continuable: re.Pattern[bytes]) -> int:
+    """The word-by-word loop :func:`_word_release` replaced (one regex over
+    the text reversed): the reference it must agree with."""
+    floor = len(held) - HOLD_BYTES
+    end = len(held)
+    if end and held[-1] not in b" \t\r\n":
+        end = max(held.rfind(c, 0, end) for c in (b" ", b"\n", b"\t", b"\r")) + 1
+    while end > max(floor, 0):
+        j = end
+        while j > 0 and held[j - 1] in b" \t":
+            j -= 1
+        i = j
+        while i > 0 and held[i - 1] not in b" \t\r\n":
+            i -= 1
+        tail = continuable.search(held, i, j) if i < j else None
+        if tail is None:
+            break
+        start = tail.start()
+        if start > i:
+            if not held[start - 1 : start].isalnum():
+                end = start
+            break
+        end = i
+    return max(end, floor)
+
+
+_PIECES = [b" ", b"\t", b"\n", b"\r", b"a", b"Z", b"4", b"-", b"+", b"(", b".", b"'", b'"', b"{"]
+_PIECES += [b":", b"\xc3\xa9", b"x", b"_", b"/", b"1111 ", b"Maria", b" Lopez", b"tok7 "]
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=60).map(b"".join))
+def test_the_words_held_back_are_those_of_the_word_by_word_rule(held: bytes) -> None:
+    for fast, slow in (
+        (_CONTINUABLE, re.compile(rb"[A-Z0-9+().\-]+\Z")),
+        (_CONTINUABLE_NAMES, re.compile(rb"[A-Z0-9+().\-][A-Za-z0-9+().'\-\x80-\xff]*\Z")),
+    ):
+        assert _word_release(held, fast) == _word_release_by_words(held, slow)

@@ -15,6 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
+import orjson
+
+from llmgw.gateway.guarded import GuardedStream
+from llmgw.gateway.sse import SseRelay
 from llmgw.guard import Guards, Redactor, Verdict
 from llmgw.guard.output import OutputGuard
 from llmgw.guard.patterns import INJECTION, PII, SECRETS
@@ -35,6 +39,36 @@ _NUMBERS: Final = (
     "The meeting moved from 2024-01-15 to 2024-02-01 at 10:30.\n"
     "Pi is 3.14159265358979323846, e is 2.71828182845904523536.\n"
 )
+
+
+def _stream_events(words: list[str]) -> list[bytes]:
+    """A streamed chat answer as an engine sends it, one event per read:
+    the role, one chunk per word, the finish, the usage, ``[DONE]``."""
+    envelope = {
+        "id": "chatcmpl-0123456789abcdef01234567",
+        "object": "chat.completion.chunk",
+        "created": 1764650000,
+        "model": "bench-model",
+    }
+    chunks: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    chunks += [{"content": word} for word in words]
+    docs = [
+        {**envelope, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]}
+        for d in chunks
+    ]
+    last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    docs.append({**envelope, "choices": [last]})
+    usage = {"prompt_tokens": 10, "completion_tokens": len(words), "total_tokens": 10 + len(words)}
+    docs.append({**envelope, "choices": [], "usage": usage})
+    return [b"data: " + orjson.dumps(doc) + b"\n\n" for doc in docs] + [b"data: [DONE]\n\n"]
+
+
+#: The relay's load: 64 words as the sim engine cuts them (``tok7 ``) and
+#: as real tokenizers do (`` tok7``, so the last word is held back each time).
+_EVENTS: Final = {
+    "trailing spaces": _stream_events([f"tok{n} " for n in range(64)]),
+    "leading spaces": _stream_events([f" tok{n}" for n in range(64)]),
+}
 
 
 def _per_call_s(fn: Callable[[], Any], *, seconds: float) -> float:
@@ -79,6 +113,27 @@ def run_bench_guard(seconds: float = 0.5) -> list[dict[str, Any]]:
 
         us = _per_call_s(stream, seconds=seconds) * 1e6
         rows.append({"what": "64-token answer streamed", "policy": policy, "us": us})
+        for name, events in _EVENTS.items():
+
+            def relayed(rules: Any = guard.output, events: list[bytes] = events) -> None:
+                output = OutputGuard(rules, Verdict(), Redactor(), restore=False)
+                relay = GuardedStream(SseRelay(pass_usage=False), output)
+                for event in events:
+                    relay.feed(event)
+                relay.finish()
+
+            us = _per_call_s(relayed, seconds=seconds) * 1e6
+            rows.append({"what": f"64-event stream relayed, {name}", "policy": policy, "us": us})
+    for name, events in _EVENTS.items():
+
+        def plain(events: list[bytes] = events) -> None:
+            relay = SseRelay(pass_usage=False)
+            for event in events:
+                relay.feed(event)
+            relay.finish()
+
+        us = _per_call_s(plain, seconds=seconds) * 1e6
+        rows.append({"what": f"64-event stream relayed, {name}", "policy": "off", "us": us})
     patterns = [
         re.compile(kind.pattern, re.IGNORECASE if kind.caseless else 0)
         for kind in (*SECRETS, *PII.values(), *INJECTION)
