@@ -19,7 +19,7 @@ from typing import Final
 from .apply import ContentFiltered, Redactor, Verdict, apply_hits
 from .policy import Direction
 
-__all__ = ["HOLD_BYTES", "OutputGuard"]
+__all__ = ["FLAG_SCAN_BYTES", "HOLD_BYTES", "OutputGuard"]
 
 #: The most bytes held back at the end of a stream's text when a rule may
 #: change or stop it: longer than the shortest text each built-in kind is
@@ -28,8 +28,12 @@ __all__ = ["HOLD_BYTES", "OutputGuard"]
 #: last word is held, and the words before it that may continue a value of
 #: several words (card or phone groups); with ``deny`` patterns, which may
 #: span words, the whole window. Rules that only flag hold nothing back:
-#: they scan the last :data:`HOLD_BYTES` sent with the new text.
+#: they scan the last :data:`HOLD_BYTES` sent with the new text, in
+#: batches (:data:`FLAG_SCAN_BYTES`).
 HOLD_BYTES: Final = 96
+#: Rules that only flag scan a stream's text once this many bytes of it
+#: have come (and at its end), not once per event.
+FLAG_SCAN_BYTES: Final = 1024
 #: The bytes of a word that may be part of a value of several words (card,
 #: phone and IBAN groups, a private key block's header): its tail that may
 #: go on starts with one of :data:`_FIRST` and goes on with :data:`_NEXT`.
@@ -77,11 +81,13 @@ def _word_release(held: bytes, continuable: re.Pattern[bytes] = _CONTINUABLE) ->
 
 
 class _Choice:
-    __slots__ = ("held", "pending", "sent_chars", "stopped")
+    __slots__ = ("held", "pending", "queued", "queued_bytes", "sent_chars", "stopped")
 
     def __init__(self) -> None:
         self.pending = ""  # text not yet restored (a placeholder may be cut)
-        self.held = b""  # restored text not yet released
+        self.held = b""  # restored text not yet released (flags only: the scanned tail)
+        self.queued: list[bytes] = []  # flags only: text sent, not yet scanned
+        self.queued_bytes = 0
         self.sent_chars = 0
         self.stopped = False
 
@@ -221,15 +227,26 @@ class OutputGuard:
         if not self._checks:
             return text, False
         if not self._acts:
-            self._flags(choice, text.encode("utf-8", "surrogatepass"))
+            self._flags(choice, text.encode("utf-8", "surrogatepass"), end=end)
             return text, False
         out, stopped = self._act(choice, text.encode("utf-8", "surrogatepass"), end=end)
         return out.decode("utf-8", "surrogatepass"), stopped
 
-    def _flags(self, choice: _Choice, data: bytes) -> None:
-        """Flags only: scan what came with the tail before it."""
-        window = choice.held + data
+    def _flags(self, choice: _Choice, data: bytes, *, end: bool = False) -> None:
+        """Flags only: the text goes on as it came, so it is scanned in
+        batches of :data:`FLAG_SCAN_BYTES` (and what is left at the end),
+        each with the last :data:`HOLD_BYTES` scanned before it: a value
+        split over events is still seen whole, and what it flags is
+        recorded by the answer's end."""
+        if data:
+            choice.queued.append(data)
+            choice.queued_bytes += len(data)
+        if choice.queued_bytes < FLAG_SCAN_BYTES and not (end and choice.queued_bytes):
+            return
         held = len(choice.held)
+        window = b"".join((choice.held, *choice.queued))
+        choice.queued = []
+        choice.queued_bytes = 0
         for hit in self._rules.matcher.scan(window):
             if hit.end > held:
                 self._verdict.note(hit.rule.kind.rule, hit.rule.action, "output")

@@ -12,6 +12,7 @@ from llmgw.guard import Guards, Redactor, Verdict, guard_chat_doc
 from llmgw.guard.output import (
     _CONTINUABLE,
     _CONTINUABLE_NAMES,
+    FLAG_SCAN_BYTES,
     HOLD_BYTES,
     OutputGuard,
     _word_release,
@@ -65,8 +66,27 @@ def test_flag_only_rules_hold_nothing_back_and_still_record_split_values() -> No
     output = OutputGuard(guard.output, verdict, Redactor(), restore=False)
     assert output.feed(0, "mail jane@exa") == ("mail jane@exa", False)
     assert output.feed(0, "mple.com now") == ("mple.com now", False)
+    # Scanned in batches: a short answer's text at its end.
+    assert verdict.rules == []
+    assert output.close(0) == ("", False)
     assert verdict.rules == ["pii:email"]
     assert verdict.action == "flag"
+
+
+def test_flag_only_rules_scan_a_long_stream_in_batches_and_catch_values_split_between_them() -> (
+    None
+):
+    guard = _guard({"default": ["observe"]})
+    verdict = Verdict()
+    output = OutputGuard(guard.output, verdict, Redactor(), restore=False)
+    filler = "word " * (FLAG_SCAN_BYTES // 5)
+    first = filler + "mail jane.doe@exa"
+    assert output.feed(0, first) == (first, False)  # a whole batch: scanned
+    assert verdict.rules == []  # no whole address in it
+    assert output.feed(0, "mple.com ok") == ("mple.com ok", False)  # queued
+    assert verdict.rules == []
+    assert output.close(0) == ("", False)  # the rest, with the tail before it
+    assert verdict.rules == ["pii:email"]
 
 
 def test_restore_puts_back_split_placeholders_before_the_output_rules() -> None:
