@@ -689,8 +689,43 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(float, lambda value, _: parse_duration_s(value))
     converter.register_structure_hook(bool, _strict_bool)
     # An empty YAML value (``key:`` or ``ctl config set key ''``) is "" for text.
-    converter.register_structure_hook(str, lambda value, _: "" if value is None else str(value))
+    converter.register_structure_hook(str, _text)
+    # A list of texts must be a list: a bare "Violent" is not ["V", "i", …].
+    converter.register_structure_hook_func(lambda t: t == tuple[str, ...], _texts)
+    # YAML 1.1 reads an unquoted ``on:`` key as true: the judge's ``on``.
+    judge_hook = converter.get_structure_hook(GuardJudge)
+    converter.register_structure_hook(
+        GuardJudge,
+        lambda value, kind: judge_hook(
+            {("on" if key is True else key): v for key, v in value.items()}
+            if isinstance(value, dict)
+            else value,
+            kind,
+        ),
+    )
     return converter
+
+
+def _text(value: Any, _: Any) -> str:
+    """Text: a YAML number is read as its digits, an empty value as ""; a
+    list, a mapping or true/false is refused."""
+    if value is None:
+        return ""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise TypeError(f"expected text, got {value!r}")
+    return str(value)
+
+
+def _texts(value: Any, _: Any) -> tuple[str, ...]:
+    """A list of texts (numbers read as their digits); a single text, a
+    mapping or a number instead of the list is refused, as is an item that
+    is a list, a mapping, true/false or empty."""
+    if not isinstance(value, list | tuple):
+        raise TypeError(f"expected a list of texts, like [{value!r}], got {value!r}")
+    for at, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, str | int | float):
+            raise TypeError(f"item {at}: expected text, got {item!r}")
+    return tuple(str(item) for item in value)
 
 
 def _say_error(exc: BaseException, kind: type | None) -> str:
@@ -701,6 +736,11 @@ def _say_error(exc: BaseException, kind: type | None) -> str:
         unknown = ", ".join(sorted(str(key) for key in exc.extra_fields))
         return f"Extra fields in constructor for {exc.cl.__name__}: {unknown}"
     text = str(exc)
+    if (isinstance(exc, AttributeError) and "attribute 'keys'" in text) or (
+        isinstance(exc, TypeError) and "'NoneType' is not iterable" in text
+    ):
+        # cattrs asked a text, a list or an empty value for a block's keys.
+        return "expected a block of settings (a mapping)"
     return text or cattrs.v.format_exception(exc, kind)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from llmgw.settings import Price, SettingsError, load_settings, parse_duration_s, settings_from_doc
 
@@ -258,3 +259,35 @@ def test_an_empty_text_setting_is_the_empty_default() -> None:
     # ``ctl config set portal.external_url ''`` sends YAML "" -> None.
     assert settings_from_doc({"portal": {"external_url": None}}).portal.external_url == ""
     assert settings_from_doc({"weights": {"hf_endpoint": None}}).weights.hf_endpoint == ""
+
+
+def test_a_list_of_texts_given_one_text_is_refused_not_split_into_letters() -> None:
+    """``categories: Violent`` would otherwise become V, i, o, … and refuse
+    nothing the judge calls violent; ``deny: zeus`` would refuse every "e"."""
+    for where, doc, said in (
+        (
+            "judge.categories",
+            {"judge": {"model": "m", "categories": "Violent"}},
+            "expected a list of texts, like ['Violent']",
+        ),
+        ("input.deny", {"input": {"deny": "zeus"}}, "expected a list of texts, like ['zeus']"),
+        ("judge.model", {"judge": {"model": ["a"]}}, "expected text, got ['a']"),
+        ("judge", {"judge": "guard1"}, "expected a block of settings (a mapping)"),
+        ("stream", {"stream": None}, "expected a block of settings (a mapping)"),
+    ):
+        with pytest.raises(SettingsError) as caught:
+            settings_from_doc({"guard": {"policies": {"p": doc}}})
+        assert said in str(caught.value), where
+        assert f"at .guard.policies['p'].{where}" in str(caught.value), where
+    policy = settings_from_doc(
+        {"guard": {"policies": {"p": {"judge": {"model": "m", "categories": ["Violent"]}}}}}
+    ).guard.policies["p"]
+    assert policy.judge is not None
+    assert policy.judge.categories == ("Violent",)
+
+
+def test_an_unquoted_yaml_on_key_is_the_judges_on() -> None:
+    doc = yaml.safe_load("guard: {policies: {p: {judge: {model: m, on: both}}}}")
+    judge = settings_from_doc(doc).guard.policies["p"].judge
+    assert judge is not None
+    assert judge.on == "both"
