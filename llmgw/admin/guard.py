@@ -50,10 +50,12 @@ def _judge_for(cluster: Cluster, doc: dict[str, Any]) -> GuardJudge:
         judge = settings.policy(policy).judge
     else:
         names = [*settings.default, *settings.policies]
-        judge = next(
-            (settings.policy(n).judge for n in names if settings.policy(n).judge.model),
-            GuardJudge(),
-        )
+        judges = [settings.policy(n).judge for n in names if settings.policy(n).judge.model]
+        # With --model: the settings of a policy naming that model, else
+        # the defaults (not another judge's format and budget).
+        if model:
+            judges = [j for j in judges if j.model == model]
+        judge = judges[0] if judges else GuardJudge()
     if model:
         judge = attrs.evolve(judge, model=model)
     if not judge.model:

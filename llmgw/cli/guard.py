@@ -28,6 +28,11 @@ def judge() -> None:
     """The judge: a model asked whether a text is safe."""
 
 
+def _rate(per_s: float) -> str:
+    """Two significant digits, never in exponent form (610, 6.1, 0.61)."""
+    return f"{per_s:.0f}" if per_s >= 10 else f"{per_s:.2g}"
+
+
 def _seconds(value: float | None) -> str:
     return "no verdict" if value is None else f"{value:.1f} s"
 
@@ -61,7 +66,8 @@ def judge_check(data_dir: Path, model: str | None, policy: str | None, as_json: 
     burst = f"{max(slowest):.1f} s" if slowest else "no verdict"
     click.echo(
         f"judge {doc['model']}: alone {alone}, slowest of 4 concurrent {burst}, "
-        f"≈ {doc['judgments_per_s']:.2g} judgments/s ≈ {doc['requests_per_s']:.2g} requests/s, "
+        f"≈ {_rate(doc['judgments_per_s'])} judgments/s "
+        f"≈ {_rate(doc['requests_per_s'])} requests/s, "
         f"budget {doc['budget_s']:g} s: {doc['verdict']}"
     )
     if doc.get("unreadable"):

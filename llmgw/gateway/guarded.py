@@ -598,6 +598,8 @@ class JudgedStream:
         #: Choices seen whose end has not gone to the shape.
         self._open: set[int] = set()
         self._held: list[Any] | None = [] if buffer_all else None
+        #: The first event with choices: the stop's events copy its fields.
+        self._template: dict[str, Any] | None = None
         self._nursery: trio.Nursery | None = None
         self._emit: Emit | None = None
         self._pending = 0
@@ -643,6 +645,8 @@ class JudgedStream:
                     doc["choices"] = choices = []
                 if not choices and "usage" in doc:
                     ends = True
+                if self._template is None and choices:
+                    self._template = doc
                 for choice in choices:
                     if not isinstance(choice, dict):
                         continue
@@ -749,6 +753,23 @@ class JudgedStream:
     def _stops(self) -> list[Any]:
         """The events that end every open choice with ``content_filter``."""
         open_, self._open = sorted(self._open), set()
+        template = self._template or {}
+        fields = {
+            key: template[key]
+            for key in ("id", "object", "created", "model", "system_fingerprint")
+            if key in template
+        }
+        first = (template.get("choices") or [{}])[0]
+        # A completions stream's choices carry ``text``, a chat stream's ``delta``.
+        text = isinstance(first, dict) and "delta" not in first and "text" in first
         return [
-            {"choices": [{"index": i, "delta": {}, "finish_reason": CONTENT_FILTER}]} for i in open_
+            {
+                **fields,
+                "choices": [
+                    {"index": i, "text": "", "finish_reason": CONTENT_FILTER}
+                    if text
+                    else {"index": i, "delta": {}, "finish_reason": CONTENT_FILTER}
+                ],
+            }
+            for i in open_
         ]

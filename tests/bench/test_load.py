@@ -252,8 +252,13 @@ def test_config_wants_exactly_one_shape_of_load() -> None:
         LoadConfig(url=url, model="m", rate_per_s=math.inf)
     with pytest.raises(ValueError, match="duration_s must be"):
         LoadConfig(url=url, model="m", concurrency=1, duration_s=math.nan)
-    with pytest.raises(ValueError, match="may not set messages, stream"):
-        LoadConfig(url=url, model="m", concurrency=1, extra_body={"stream": False, "messages": []})
+    with pytest.raises(ValueError, match="may not set max_tokens, messages, stream"):
+        LoadConfig(
+            url=url,
+            model="m",
+            concurrency=1,
+            extra_body={"stream": False, "messages": [], "max_tokens": 3},
+        )
 
 
 def test_extra_body_fields_are_in_every_request() -> None:

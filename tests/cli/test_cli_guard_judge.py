@@ -89,6 +89,12 @@ async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
         assert "judge judge-slow: alone" in text
         assert "budget 1 s: tight" in text or "budget 1 s: too slow" in text
         assert "latency_budget" in text
+        # Another model named: its own policy's settings, else the defaults,
+        # never the first policy's judge's.
+        doc = await running.json("ctl", "guard", "judge", "check", "--model", "judge")
+        assert (doc["model"], doc["budget_s"]) == ("judge", 5)
+        doc = await running.json("ctl", "guard", "judge", "check", "--model", "judge-slow")
+        assert doc["budget_s"] == 1
 
         result = await running.run("ctl", "guard", "judge", "check", "--model", "nope")
         assert result.exit_code != 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast
 
+import openai
 import orjson
 import pytest
 import trio
@@ -114,8 +115,13 @@ def _event(doc: object) -> bytes:
     return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
+#: What an OpenAI chat chunk carries besides its choices.
+_FIELDS = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+
 def _chunk(text: str, finish: str | None = None) -> bytes:
-    return _event({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]})
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+    return _event({**_FIELDS, "choices": [choice]})
 
 
 def _stream(asked: list[str], *, buffer_all: bool = False) -> tuple[JudgedStream, Verdict]:
@@ -148,6 +154,15 @@ async def test_a_stream_flows_is_judged_in_windows_and_an_unsafe_window_stops_it
         assert [len(t.split("\n\n")[-1]) for t in asked] == [600, 600]
         assert len(sent) == 1
         assert b'"finish_reason":"content_filter"' in sent[0]
+        # A whole chat chunk, as the openai client validates it.
+        stop = openai.types.chat.ChatCompletionChunk.model_validate_json(
+            sent[0].split(b"data: ", 1)[1].split(b"\n\n", 1)[0]
+        )
+        assert (stop.id, stop.model, stop.choices[0].finish_reason) == (
+            "chatcmpl-1",
+            "m",
+            "content_filter",
+        )
         later = judged.feed(_chunk("more", "stop") + b"data: [DONE]\n\n")
         assert later == b""
         judged.ending()
@@ -159,6 +174,30 @@ async def test_a_stream_flows_is_judged_in_windows_and_an_unsafe_window_stops_it
     assert tail.endswith(b"data: [DONE]\n\n")
     assert verdict.events == {("output", "judge:violent"): "block"}
     assert verdict.stopped
+
+
+async def test_a_completions_stream_is_stopped_with_a_completions_chunk() -> None:
+    asked: list[str] = []
+    judged, _ = _stream(asked)
+    sent: list[bytes] = []
+
+    async def emit(make: Callable[[], bytes]) -> None:
+        sent.append(make())
+
+    fields = {**_FIELDS, "object": "text_completion"}
+    async with trio.open_nursery() as nursery:
+        judged.attach(nursery, emit)
+        judged.feed(_event({**fields, "choices": [{"index": 0, "text": "BAD" + "x" * 700}]}))
+        await trio.testing.wait_all_tasks_blocked()
+    assert len(sent) == 1
+    stop = openai.types.Completion.model_validate_json(
+        sent[0].split(b"data: ", 1)[1].split(b"\n\n", 1)[0]
+    )
+    assert (stop.object, stop.choices[0].text, stop.choices[0].finish_reason) == (
+        "text_completion",
+        "",
+        "content_filter",
+    )
 
 
 async def test_the_end_of_a_stream_waits_for_its_last_partial_window() -> None:

@@ -124,15 +124,15 @@ class LoadConfig:
         extra_body: more fields of each request's JSON body (e.g.
             ``{"ignore_eos": true}`` for an engine that takes it, so every
             answer is ``max_tokens`` long); they may not replace ``model``,
-            ``messages`` or ``stream``.
+            ``messages``, ``stream`` or ``max_tokens`` (its own option).
         request_timeout_s: each request's deadline, in seconds; a request
             past it is a ``timeout`` error.
 
     Raises:
         ValueError: both or neither of ``concurrency`` and ``rate_per_s``,
             a value out of range, a URL that is not ``http://``, or an
-            ``extra_body`` field that would replace ``model``, ``messages``
-            or ``stream``.
+            ``extra_body`` field that would replace ``model``, ``messages``,
+            ``stream`` or ``max_tokens``.
     """
 
     url: str
@@ -156,7 +156,7 @@ class LoadConfig:
         if self.rate_per_s is not None and not 0 < self.rate_per_s <= MAX_RATE_PER_S:
             raise ValueError(f"rate_per_s must be over 0 and at most {MAX_RATE_PER_S:g}")
         _Target.parse(self.url)
-        kept = sorted({"model", "messages", "stream"} & set(self.extra_body))
+        kept = sorted({"model", "messages", "stream", "max_tokens"} & set(self.extra_body))
         if kept:
             raise ValueError(f"extra_body may not set {', '.join(kept)}")
 
