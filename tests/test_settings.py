@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import yaml
 
-from llmgw.settings import Price, SettingsError, load_settings, parse_duration_s, settings_from_doc
+from llmgw.settings import (
+    Price,
+    SettingsError,
+    check_doc_keys,
+    load_settings,
+    parse_duration_s,
+    settings_from_doc,
+)
 
 
 def test_without_a_file_the_spec_defaults_apply() -> None:
@@ -291,3 +298,10 @@ def test_an_unquoted_yaml_on_key_is_the_judges_on() -> None:
     judge = settings_from_doc(doc).guard.policies["p"].judge
     assert judge is not None
     assert judge.on == "both"
+    check_doc_keys(doc)  # the admin API's key check reads it the same way
+    # Sent as JSON (ctl config set reads the value as YAML, then sends JSON).
+    from_json = {"guard": {"policies": {"p": {"judge": {"model": "m", "true": "output"}}}}}
+    check_doc_keys(from_json)
+    sent = settings_from_doc(from_json).guard.policies["p"].judge
+    assert sent is not None
+    assert sent.on == "output"
