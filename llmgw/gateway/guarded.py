@@ -118,7 +118,26 @@ class DocShape(Protocol):
     def finish(self) -> bytes: ...
 
 
-class GuardedStream:
+class _InFront:
+    """A stream's shape in front of another: the usage, the content chunks
+    counted and the end are the inner shape's."""
+
+    _shape: DocShape
+
+    @property
+    def usage(self) -> Usage | None:
+        return self._shape.usage
+
+    @property
+    def content_chunks(self) -> int:
+        return self._shape.content_chunks
+
+    @property
+    def done(self) -> bool:
+        return self._shape.done
+
+
+class GuardedStream(_InFront):
     """A stream's shape behind the output rules (module docstring); the
     relay's ``_StreamShape``."""
 
@@ -134,18 +153,6 @@ class GuardedStream:
         #: Rules that only flag, in front of the OpenAI relay: the engine's
         #: bytes go on as they came (read, not written again).
         self._passthrough = not guard.changes_text and isinstance(shape, SseRelay)
-
-    @property
-    def usage(self) -> Usage | None:
-        return self._shape.usage
-
-    @property
-    def content_chunks(self) -> int:
-        return self._shape.content_chunks
-
-    @property
-    def done(self) -> bool:
-        return self._shape.done
 
     #: The fast path (:class:`~llmgw.gateway.guarded_fast.FastStream`),
     #: built on the first :meth:`feed`; False where there is none.
@@ -553,7 +560,7 @@ def _delta_text(choice: dict[str, Any]) -> str:
 Emit = Callable[[Callable[[], bytes]], Awaitable[None]]
 
 
-class JudgedStream:
+class JudgedStream(_InFront):
     """The judge on a streamed answer (``docs/guardrails.md``, The judge:
     streams): a :class:`DocShape` in front of the stream's shape (behind
     :class:`GuardedStream` when pattern rules apply, so it reads the text
@@ -605,18 +612,6 @@ class JudgedStream:
         self._pending = 0
         self._idle = trio.Event()
         self._idle.set()
-
-    @property
-    def usage(self) -> Usage | None:
-        return self._shape.usage
-
-    @property
-    def content_chunks(self) -> int:
-        return self._shape.content_chunks
-
-    @property
-    def done(self) -> bool:
-        return self._shape.done
 
     def attach(self, nursery: trio.Nursery, emit: Emit) -> None:
         """Where judgments run, and how bytes are sent outside :meth:`feed`
