@@ -29,7 +29,7 @@ from typing import Final, Protocol
 import orjson
 import trio
 
-from llmgw.asgi import Send
+from llmgw.asgi import Message, Send
 from llmgw.errors import LlmgwError, describe
 from llmgw.guard.output import OutputGuard
 from llmgw.router.endpoint import Endpoint
@@ -365,16 +365,8 @@ class Relay:
                 send, request, outcome, response, headers, keep, shape, judged
             )
             return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [SSE, NO_CACHE, *headers],
-            }
-        )
-        kept: list[bytes] | None = [] if keep is not None else None
-        kept_bytes = 0
-        limit = self._caching.max_entry_bytes
+        await send(_stream_head(headers))
+        kept = _Kept(self._caching.max_entry_bytes) if keep is not None else None
         try:
             while chunk := await response.receive():
                 out = shape.feed(chunk)
@@ -389,19 +381,16 @@ class Relay:
                         outcome.finish(200)
                         outcome.usage = _stream_usage(request, shape)
                     if kept is not None:
-                        kept_bytes += len(out)
-                        kept = kept if kept_bytes <= limit else None
-                        if kept is not None:
-                            kept.append(out)
+                        kept.add(out)
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             ended = shape.done
             rest = shape.finish()
             outcome.finish(200)
             outcome.usage = _stream_usage(request, shape)
             await send({"type": "http.response.body", "body": rest, "more_body": False})
-            if kept is not None and keep is not None and ended:
-                kept.append(rest)
-                self._caching.keep(keep, SSE[1], b"".join(kept), stream=True)
+            body = kept.body(rest) if kept is not None and ended else None
+            if keep is not None and body is not None:
+                self._caching.keep(keep, SSE[1], body, stream=True)
         except UpstreamError:
             # The engine broke off mid-answer. Say so in the stream (the openai
             # client raises it as an APIError) and end the answer cleanly.
@@ -445,30 +434,19 @@ class Relay:
         error (400 ``content_filter``, 503 ``judge_unavailable``)."""
         lock = trio.Lock()
         begun = False
-        kept: list[bytes] | None = [] if keep is not None else None
-        kept_bytes = 0
-        limit = self._caching.max_entry_bytes
+        kept = _Kept(self._caching.max_entry_bytes) if keep is not None else None
 
         async def write(out: bytes, more: bool = True) -> None:
-            nonlocal begun, kept, kept_bytes
+            nonlocal begun
             if not begun:
                 begun = True
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [SSE, NO_CACHE, *headers],
-                    }
-                )
+                await send(_stream_head(headers))
             if not out and more:
                 return
             if outcome.ttft_s is None and shape.content_chunks:
                 outcome.ttft_s = time.perf_counter() - request.started
             if kept is not None:
-                kept_bytes += len(out)
-                kept = kept if kept_bytes <= limit else None
-                if kept is not None:
-                    kept.append(out)
+                kept.add(out)
             await send({"type": "http.response.body", "body": out, "more_body": more})
 
         async def emit(make: Callable[[], bytes]) -> None:
@@ -546,16 +524,43 @@ class Relay:
             outcome.usage = _stream_usage(request, shape)
             async with lock:
                 await write(tail, more=False)
-            if (
-                kept is not None
-                and keep is not None
-                and not judged.stopped
-                and not _unjudged(outcome)
-            ):
-                self._caching.keep(keep, SSE[1], b"".join(kept), stream=True)
+            body = kept.body() if kept is not None and not judged.stopped else None
+            if keep is not None and body is not None and not _unjudged(outcome):
+                self._caching.keep(keep, SSE[1], body, stream=True)
         finally:
             # Counted even when the answer was cut short or refused.
             outcome.usage = _stream_usage(request, shape)
+
+
+def _stream_head(headers: list[tuple[bytes, bytes]]) -> Message:
+    """The start of a streamed 200 answer with ``headers``."""
+    return {"type": "http.response.start", "status": 200, "headers": [SSE, NO_CACHE, *headers]}
+
+
+class _Kept:
+    """A streamed answer's bytes kept for the answer cache while they fit
+    in ``limit_bytes``; past it none are."""
+
+    __slots__ = ("_limit", "_parts", "_size")
+
+    def __init__(self, limit_bytes: int) -> None:
+        self._limit = limit_bytes
+        self._parts: list[bytes] | None = []
+        self._size = 0
+
+    def add(self, out: bytes) -> None:
+        """Keep ``out`` too, or give up when the answer no longer fits."""
+        if self._parts is None:
+            return
+        self._size += len(out)
+        if self._size > self._limit:
+            self._parts = None
+        else:
+            self._parts.append(out)
+
+    def body(self, last: bytes = b"") -> bytes | None:
+        """What was kept and then ``last``; None when it did not fit."""
+        return None if self._parts is None else b"".join((*self._parts, last))
 
 
 def _unjudged(outcome: Outcome) -> bool:
