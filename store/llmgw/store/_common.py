@@ -1,9 +1,10 @@
 """What both backends share and that touches no database: usage periods and
 how a range of them is read, limits as JSON, names and ids, the join code
-refusals.
+refusals, the keys' last uses.
 
-Each backend keeps its own SQL; these are the pure pieces around it, so
-SQLite and PostgreSQL floor hours, split ranges and word refusals the same.
+Each backend keeps its own SQL (but for the keys' last uses, plain SQL both
+run as it is); these are the pure pieces around it, so SQLite and
+PostgreSQL floor hours, split ranges and word refusals the same.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import json
 import math
 import re
 import secrets
-from typing import Final
+from collections.abc import Sequence
+from typing import Any, Final
 
 from .interface import (
     JoinTokenExpired,
@@ -234,3 +236,22 @@ def join_token_refusal(token: JoinToken | None) -> JoinTokenRefused:
         "`llmgw node add`",
         expires_at=token.expires_at,
     )
+
+
+#: Each key's stored last use and its newest usage row: one index seek per
+#: key (``usage_key_id`` on ``(key_id, created_at)``), never a usage scan.
+_KEYS_LAST_USED_SQL: Final = (
+    "SELECT k.id AS id, k.last_used_at AS last_used_at,"
+    " (SELECT MAX(u.created_at) FROM usage u WHERE u.key_id = k.id) AS newest FROM keys k"
+)
+
+
+def _newest_uses(rows: Sequence[Sequence[Any]]) -> dict[str, float]:
+    """``{key id: the later of its stored last use and newest usage row}``,
+    keys never used left out."""
+    out: dict[str, float] = {}
+    for key_id, stored, newest in rows:
+        times = [float(t) for t in (stored, newest) if t is not None]
+        if times:
+            out[str(key_id)] = max(times)
+    return out

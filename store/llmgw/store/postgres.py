@@ -77,6 +77,7 @@ from psycopg.rows import DictRow, dict_row
 from . import _people
 from ._catalog_json import model_from_json, model_to_json
 from ._common import (
+    _KEYS_LAST_USED_SQL,
     _LIMITS_TABLES,
     _RAW_COLUMNS,
     _ROLLUP_TABLES,
@@ -86,6 +87,7 @@ from ._common import (
     _limits_from_json,
     _limits_to_json,
     _new_id,
+    _newest_uses,
     _pieces,
     _Sums,
     day_of,
@@ -1855,22 +1857,3 @@ def _list_guard_events(
     )
     rows = conn.execute(sql, (*params, last)).fetchall()
     return [GuardEvent(**dict(r)) for r in rows]
-
-
-#: Each key's stored last use and its newest usage row: one index seek per
-#: key (``usage_key_id`` on ``(key_id, created_at)``), never a usage scan.
-_KEYS_LAST_USED_SQL: Final = (
-    "SELECT k.id AS id, k.last_used_at AS last_used_at,"
-    " (SELECT MAX(u.created_at) FROM usage u WHERE u.key_id = k.id) AS newest FROM keys k"
-)
-
-
-def _newest_uses(rows: Sequence[Sequence[Any]]) -> dict[str, float]:
-    """``{key id: the later of its stored last use and newest usage row}``,
-    keys never used left out."""
-    out: dict[str, float] = {}
-    for key_id, stored, newest in rows:
-        times = [float(t) for t in (stored, newest) if t is not None]
-        if times:
-            out[str(key_id)] = max(times)
-    return out
