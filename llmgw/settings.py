@@ -692,19 +692,21 @@ def _make_converter() -> cattrs.Converter:
     converter.register_structure_hook(str, _text)
     # A list of texts must be a list: a bare "Violent" is not ["V", "i", …].
     converter.register_structure_hook_func(lambda t: t == tuple[str, ...], _texts)
-    # YAML 1.1 reads an unquoted ``on:`` key as true (in JSON then "true"):
-    # the judge's ``on``.
     judge_hook = converter.get_structure_hook(GuardJudge)
     converter.register_structure_hook(
         GuardJudge,
         lambda value, kind: judge_hook(
-            {("on" if key is True or key == "true" else key): v for key, v in value.items()}
-            if isinstance(value, dict)
-            else value,
+            {_judge_key(key): v for key, v in value.items()} if isinstance(value, dict) else value,
             kind,
         ),
     )
     return converter
+
+
+def _judge_key(key: Any) -> Any:
+    """A judge's key as written: YAML 1.1 reads an unquoted ``on:`` as true
+    (sent on as JSON, "true"), which can only mean the judge's ``on``."""
+    return "on" if key is True or key == "true" else key
 
 
 def _text(value: Any, _: Any) -> str:
@@ -881,8 +883,8 @@ def _check_keys(value: Any, kind: Any, path: str) -> None:
             return
         hints = typing.get_type_hints(kind)
         for name, below in value.items():
-            if (name is True or name == "true") and kind is GuardJudge:
-                name = "on"  # YAML 1.1's unquoted on: (see _make_converter)
+            if kind is GuardJudge:
+                name = _judge_key(name)
             here = f"{path}{name}"
             if name not in hints:
                 block = path.rstrip(".") or "the top level"
