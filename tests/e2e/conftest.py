@@ -311,6 +311,22 @@ class Up:
             return http.post(url, json=body, headers=sent)
         return httpx.post(url, json=body, headers=sent, timeout=timeout)
 
+    def admin(self, method: str, path: str, body: object = None) -> httpx.Response:
+        """:func:`admin_request` on this one."""
+        return admin_request(self, method, path, body)
+
+    def engine_metrics(self, port: int) -> str:
+        """The ``/metrics`` text of the engine serving on ``port``, with the
+        engine's key read from its environment (``LLAMA_API_KEY``)."""
+        pid = Procs.on_port(port)[0]
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        [key] = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"LLAMA_API_KEY=")]
+        return httpx.get(
+            f"http://127.0.0.1:{port}/metrics",
+            headers={"authorization": f"Bearer {key}"},
+            timeout=5,
+        ).text
+
     def openai_client(
         self, timeout: float | None = None, *, api_key: str | None = None
     ) -> openai.OpenAI:

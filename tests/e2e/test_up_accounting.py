@@ -115,29 +115,12 @@ def test_a_spent_project_budget_refuses_priced_models_while_a_zero_priced_one_an
 
 def _engine_counts(up: Any) -> tuple[float, float]:
     status = json.loads(up.cli("ctl", "status", "--json").stdout)
-    port = status["replicas"][0]["port"]
-    pids = [
-        p
-        for p in Path("/proc").iterdir()
-        if p.name.isdigit() and f"--port\0{port}\0".encode() in _cmdline(p)
-    ]
-    environ = (pids[0] / "environ").read_bytes().split(b"\0")
-    [key] = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"LLAMA_API_KEY=")]
-    text = httpx.get(
-        f"http://127.0.0.1:{port}/metrics", headers={"authorization": f"Bearer {key}"}, timeout=5
-    ).text
+    text = up.engine_metrics(status["replicas"][0]["port"])
     values = {}
     for line in text.splitlines():
         if line.startswith(("vllm:prompt_tokens_total", "vllm:generation_tokens_total")):
             values[line.split("{")[0]] = float(line.split()[-1])
     return values["vllm:prompt_tokens_total"], values["vllm:generation_tokens_total"]
-
-
-def _cmdline(proc: Path) -> bytes:
-    try:
-        return (proc / "cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def _export(up: Any) -> list[dict[str, Any]]:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 
@@ -75,24 +73,14 @@ def claude(up: Any) -> Iterator[anthropic.Anthropic]:
         yield made
 
 
-def _admin(up: Any, method: str, path: str, body: object = None) -> httpx.Response:
-    return httpx.request(
-        method,
-        f"http://{up.run['admin']}{path}",
-        json=body,
-        headers={"authorization": f"Bearer {up.admin_token}"},
-        timeout=30,
-    )
-
-
 def _add_model(up: Any, doc: dict[str, Any]) -> None:
     """Add a sim model to the catalog; wait until its replicas are ready."""
     entry = {"engine": "sim", "min_memory_gb": 0.1, **doc} if "profiles" not in doc else doc
-    added = _admin(up, "POST", "/api/v1/models", entry)
+    added = up.admin("POST", "/api/v1/models", entry)
     assert added.status_code == 201, added.text
 
     def ready() -> bool:
-        counts = _admin(up, "GET", f"/api/v1/models/{doc['name']}").json()["replicas"]
+        counts = up.admin("GET", f"/api/v1/models/{doc['name']}").json()["replicas"]
         return bool(counts["ready"] >= counts["wanted"] > 0)
 
     up.wait_for(ready, 120, f"{doc['name']} ready")
@@ -103,8 +91,7 @@ def _judged_by(up: Any, judge: dict[str, Any], *, buffer_all: bool = False) -> N
     policy: dict[str, Any] = {"judge": {"format": "qwen3guard", **judge}}
     if buffer_all:
         policy["stream"] = {"buffer_all": True}
-    patched = _admin(
-        up,
+    patched = up.admin(
         "PATCH",
         "/api/v1/config",
         {"key": "guard", "value": {"default": ["baseline", "j"], "policies": {"j": policy}}},
@@ -129,24 +116,12 @@ def _events(up: Any, request_id: str) -> set[tuple[str, str, str]]:
 def _engine_counts(up: Any, model: str) -> dict[str, float]:
     """Each replica of ``model`` (by profile) → the generation requests it
     finished or aborted (the sim's ``/metrics``)."""
-    replicas = _admin(up, "GET", "/api/v1/replicas").json()["data"]
+    replicas = up.admin("GET", "/api/v1/replicas").json()["data"]
     out: dict[str, float] = {}
     for replica in replicas:
         if replica["model"] != model:
             continue
-        port = replica["port"]
-        pids = [
-            p
-            for p in Path("/proc").iterdir()
-            if p.name.isdigit() and f"--port\0{port}\0".encode() in _cmdline(p)
-        ]
-        environ = (pids[0] / "environ").read_bytes().split(b"\0")
-        [key] = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"LLAMA_API_KEY=")]
-        text = httpx.get(
-            f"http://127.0.0.1:{port}/metrics",
-            headers={"authorization": f"Bearer {key}"},
-            timeout=5,
-        ).text
+        text = up.engine_metrics(replica["port"])
         out[replica.get("profile") or replica["replica_id"]] = sum(
             float(line.split()[-1])
             for line in text.splitlines()
@@ -155,11 +130,14 @@ def _engine_counts(up: Any, model: str) -> dict[str, float]:
     return out
 
 
-def _cmdline(proc: Path) -> bytes:
+def _served(client: openai.OpenAI) -> Any:
+    """A fresh prompt's raw answer, or None while the judge refuses it (503)."""
     try:
-        return (proc / "cmdline").read_bytes() + b"\0"
-    except OSError:
-        return b""
+        return client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=_fresh(), max_tokens=2
+        )
+    except openai.InternalServerError:
+        return None
 
 
 def _wait_policy(up: Any, probe: Callable[[], bool], what: str) -> None:
@@ -338,15 +316,7 @@ def test_a_slow_judge_refuses_under_fail_closed_and_flags_under_fail_open(
 
     _judged_by(up, {"model": "slow-judge", "on": "both", "latency_budget": "1s", "fail": "open"})
 
-    def served() -> Any:
-        try:
-            return client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=_fresh(), max_tokens=2
-            )
-        except openai.InternalServerError:
-            return None
-
-    raw = up.wait_for(served, 60, "served under fail: open", interval_s=0.5)
+    raw = up.wait_for(lambda: _served(client), 60, "served under fail: open", interval_s=0.5)
     assert raw.parse().choices[0].message.content == "tok0 tok1 "
     request_id = raw.headers["x-request-id"]
     assert _events(up, request_id) == {
@@ -385,15 +355,7 @@ def test_a_judge_that_never_answers_refuses_or_flags_answers(
 
     _judged_by(up, {"model": "mute-judge", "on": "output", "latency_budget": "1s", "fail": "open"})
 
-    def served() -> Any:
-        try:
-            return client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=_fresh(), max_tokens=2
-            )
-        except openai.InternalServerError:
-            return None
-
-    whole = up.wait_for(served, 60, "served under fail: open", interval_s=0.5)
+    whole = up.wait_for(lambda: _served(client), 60, "served under fail: open", interval_s=0.5)
     assert _events(up, whole.headers["x-request-id"]) == {("output", "judge:unavailable", "flag")}
     chunks = list(
         client.chat.completions.create(model=MODEL, messages=_fresh(), max_tokens=3, stream=True)
