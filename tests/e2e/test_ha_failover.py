@@ -134,8 +134,9 @@ def test_the_standby_takes_over_on_sigkill_and_on_sigterm_losing_nothing(
         with psycopg.connect(postgres_db) as conn:
             return {r[0] for r in conn.execute("SELECT request_id FROM usage")}
 
-    # The leader's usage writer flushes within its interval.
-    wait_until(lambda: answered <= stored(), 30, "every answered request's usage row")
+    # The leader's usage writer flushes within its interval; under a loaded
+    # machine (CI beside itself) it has fallen more than 30 s behind once.
+    wait_until(lambda: answered <= stored(), 90, "every answered request's usage row")
     lost = answered - stored()
     figures.append(
         f"lease TTL {lease_ttl_s or 10:g} s; answers: {len(answered)} in {load_s:.0f} s "
