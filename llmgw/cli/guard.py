@@ -53,6 +53,8 @@ def judge_check(data_dir: Path, model: str | None, policy: str | None, as_json: 
         body["model"] = model
     if policy:
         body["policy"] = policy
+    if not as_json:
+        click.echo("asking the judge 7 times (3 in turn, then 4 at once)…", err=True)
     # Seven judgments, each up to twice the budget: more than the admin
     # client's usual wait.
     doc = AdminClient.from_data_dir(data_dir).call(

@@ -92,7 +92,8 @@ _LLAMAGUARD: Final = {
 
 class JudgeUnavailable(Refused):
     """No verdict within the judge's ``latency_budget`` under ``fail:
-    closed``: 503 ``judge_unavailable``."""
+    closed`` (no answer in time, or an answer without a verdict in the
+    judge's format): 503 ``judge_unavailable``."""
 
     status = 503
     code = "judge_unavailable"
@@ -101,8 +102,9 @@ class JudgeUnavailable(Refused):
 
     def __init__(self, model: str) -> None:
         super().__init__(
-            f"The gateway's content judge ({model}) gave no verdict in time; the request "
-            "was not served. Retry later."
+            f"The gateway's content judge ({model}) gave no verdict in time (no answer, "
+            "or an answer without a verdict in its format); the request was not served. "
+            "Retry later."
         )
 
 
@@ -380,7 +382,8 @@ class JudgeCheck:
 
 async def check_judge(judge: GuardJudge, ask: Ask) -> JudgeCheck:
     """Time 3 judgments in sequence, then a burst of 4 at once, each within
-    twice the budget (a judgment past it counts as no verdict); the verdict
+    twice the budget (a judgment past it counts as no verdict; when the
+    first one runs out that time, the other six are not asked); the verdict
     and advice of ``docs/guardrails.md`` (The judge: check). It never
     changes any setting."""
     budget = judge.latency_budget
@@ -411,15 +414,22 @@ async def check_judge(judge: GuardJudge, ask: Ask) -> JudgeCheck:
             return trio.current_time() - started
         return None
 
-    alone = [await one() for _ in range(3)]
+    started = trio.current_time()
+    alone = [await one()]
     burst: list[float | None] = [None] * 4
+    if alone[0] is None and not unreadable and trio.current_time() - started >= budget * 2:
+        # Mute for twice the budget: the other six would only wait as long
+        # again each (the verdict is "too slow" either way).
+        alone += [None, None]
+    else:
+        alone += [await one() for _ in range(2)]
 
-    async def in_burst(at: int) -> None:
-        burst[at] = await one()
+        async def in_burst(at: int) -> None:
+            burst[at] = await one()
 
-    async with trio.open_nursery() as nursery:
-        for at in range(4):
-            nursery.start_soon(in_burst, at)
+        async with trio.open_nursery() as nursery:
+            for at in range(4):
+                nursery.start_soon(in_burst, at)
     done = [s for s in burst if s is not None]
     per_s = len(done) / max(done) if done else 0.0
     slowest_alone = max((s for s in alone if s is not None), default=None)

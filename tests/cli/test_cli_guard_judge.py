@@ -30,16 +30,24 @@ async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
     async with trio.open_nursery() as nursery:
         stop = trio.Event()
         endpoints = {}
+        engines = {}
         for model, ttft_ms, replies in (
             ("judge", 0.0, SAFE),
             ("judge-slow", 700.0, SAFE),
             ("chatty", 0.0, CHATTY),
+            ("judge-mute", 0.0, SAFE),
         ):
             engine = SimEngine(
                 SimConfig(
-                    model=model, tokens_per_second=0, tick_ms=0, ttft_ms=ttft_ms, replies=replies
+                    model=model,
+                    tokens_per_second=0,
+                    tick_ms=0,
+                    ttft_ms=ttft_ms,
+                    replies=replies,
+                    hang_rate=1.0 if model == "judge-mute" else 0.0,
                 )
             )
+            engines[model] = engine
             address = await nursery.start(serve_http1, engine, "127.0.0.1:0", stop, 1.0)
             endpoints[model] = [
                 Endpoint(
@@ -95,6 +103,35 @@ async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
         assert (doc["model"], doc["budget_s"]) == ("judge", 5)
         doc = await running.json("ctl", "guard", "judge", "check", "--model", "judge-slow")
         assert doc["budget_s"] == 1
+
+        # A judge that never answers: the first judgment's twice-the-budget
+        # is enough to say so; the other six are not waited for.
+        running.cluster.apply_settings(
+            settings_from_doc(
+                {
+                    "guard": {
+                        "default": ["baseline", "mute"],
+                        "policies": {
+                            "mute": {"judge": {"model": "judge-mute", "latency_budget": 0.5}}
+                        },
+                    }
+                }
+            )
+        )
+        mute = engines["judge-mute"]
+        asked: list[object] = []
+        plan = mute._plan
+
+        def counted(*args: Any) -> Any:
+            asked.append(args)
+            return plan(*args)
+
+        mute._plan = counted  # type: ignore[method-assign,assignment]
+        doc = await running.json("ctl", "guard", "judge", "check", "--model", "judge-mute")
+        assert doc["verdict"] == "too slow"
+        assert doc["alone_s"] == [None, None, None]
+        assert doc["burst_s"] == [None, None, None, None]
+        assert len(asked) == 1
 
         result = await running.run("ctl", "guard", "judge", "check", "--model", "nope")
         assert result.exit_code != 0
