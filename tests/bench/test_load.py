@@ -484,6 +484,52 @@ async def test_a_server_closing_kept_alive_connections_costs_no_errors() -> None
     assert connections >= result.requests
 
 
+async def test_a_closed_loop_client_waits_out_a_429_before_asking_again() -> None:
+    """Retry-After: 1 on every answer: each of the 2 clients asks at 0 s and
+    1 s, not as fast as it can (which would be thousands of refusals)."""
+    refusal = b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
+    asked = 0
+
+    async def handler(stream: trio.SocketStream) -> None:
+        nonlocal asked
+        buffer = bytearray()
+        while await _read_request(stream, buffer):
+            asked += 1
+            await stream.send_all(refusal)
+
+    with trio.fail_after(10):
+        result = await _run_against(handler, duration_s=1.5)
+    assert 2 <= asked <= 6
+    assert result.requests == 0
+    assert result.errors == asked
+    assert result.error_samples == ("HTTP 429 (rate limited: the key's limits)",)
+
+
+async def test_a_client_whose_connection_closed_while_it_waited_connects_again() -> None:
+    """A 429 without Retry-After (1 s by default), then the server closes the
+    connection: the client comes back on a new one and gets its answers."""
+    refusal = b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 0\r\n\r\n"
+    wire = HEAD_CHUNKED + _chunked(EVENTS)
+    connections = 0
+
+    async def handler(stream: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        buffer = bytearray()
+        if connections <= 2:
+            if await _read_request(stream, buffer):
+                await stream.send_all(refusal)
+            return  # closed while the client waits
+        while await _read_request(stream, buffer):
+            await stream.send_all(wire)
+
+    with trio.fail_after(10):
+        result = await _run_against(handler, duration_s=1.6)
+    assert result.errors == 2
+    assert result.requests > 0
+    assert connections >= 3
+
+
 async def test_a_server_that_never_answers_gives_timeouts_in_time() -> None:
     async def handler(stream: trio.SocketStream) -> None:
         await _read_request(stream, bytearray())

@@ -85,8 +85,9 @@ def load_command(
     """Streamed chat completions against an OpenAI-compatible server.
 
     Give --concurrency N (closed loop: N clients back to back) or --rate R
-    (open loop: R requests/s on a fixed schedule). Exits 1 when no request
-    succeeded.
+    (open loop: R requests/s on a fixed schedule). A closed-loop client
+    answered 429 or 503 waits the answer's Retry-After (else 1 s) before
+    its next request. Exits 1 when no request succeeded.
     """
     if (concurrency is None) == (rate is None):
         raise click.UsageError("give one of --concurrency and --rate")

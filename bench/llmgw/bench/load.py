@@ -32,6 +32,7 @@ answer cache in front of the engine never answers from memory.
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 import selectors
@@ -78,6 +79,9 @@ SWEEP_S: Final = 0.05
 #: Back-off after a failed connect, first and largest, in seconds.
 CONNECT_BACKOFF_S: Final = 0.01
 CONNECT_BACKOFF_MAX_S: Final = 0.5
+#: Closed loop: how long a client waits after a 429 or 503 before its next
+#: request when the answer has no ``Retry-After``, in seconds.
+REFUSED_BACKOFF_S: Final = 1.0
 
 _PATH: Final = "/v1/chat/completions"
 #: The user message's words after the request number, repeated as needed.
@@ -305,6 +309,8 @@ class _Reactor:
         self.first = began
         self.index = 0
         self.next_at = began if rate else math.inf  # the open loop's next start
+        #: Closed loop: clients told to wait (429, 503), by when they send again.
+        self.waiting: list[tuple[float, int, _Connection]] = []
 
     # -- the loop
 
@@ -325,12 +331,16 @@ class _Reactor:
                     now = trio.current_time()
                     if self.next_at <= now:
                         self._start_due(now)
+                    if self.waiting and self.waiting[0][0] <= now:
+                        self._resume(now)
                     if now >= next_sweep:
                         self._sweep(now)
                         next_sweep = now + SWEEP_S
                     if now >= end and not (self.busy or self.connecting) and self.next_at >= end:
                         return
                     wake_at = min(next_sweep, self.next_at)
+                    if self.waiting:
+                        wake_at = min(wake_at, self.waiting[0][0])
                     if wake.deadline != wake_at:
                         wake.deadline = wake_at
                     await _wait_readable(selector)
@@ -450,10 +460,31 @@ class _Reactor:
             self._replace(now)
         elif self.config.concurrency is None:
             self.idle.append(connection)
+        elif parser.status in (429, 503) and now < self.stats.end:
+            # Told to wait: asking again at once would only flood the server
+            # with refusals (and count each as an error).
+            wait_s = parser.retry_after_s
+            due = now + (REFUSED_BACKOFF_S if wait_s is None else wait_s)
+            if due < self.stats.end:
+                heapq.heappush(self.waiting, (due, id(connection), connection))
+            else:
+                self._close(connection)
         elif now < self.stats.end:
             self._send(connection, now, now, retried=False)
         else:
             self._close(connection)
+
+    def _resume(self, now: float) -> None:
+        """Closed loop: the clients whose wait after a 429 or 503 is over send again."""
+        waiting = self.waiting
+        while waiting and waiting[0][0] <= now:
+            _, _, connection = heapq.heappop(waiting)
+            if now >= self.stats.end:
+                self._close(connection)
+            elif connection.fd >= 0:
+                self._send(connection, now, now, retried=False)
+            else:  # the server closed it while it waited
+                self._spawn_connect(None, retried=False)
 
     def _broken(self, connection: _Connection, what: str, now: float) -> None:
         """The connection closed or broke: a stale keep-alive connection

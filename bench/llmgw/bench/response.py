@@ -331,6 +331,8 @@ class ResponseParser:
         scanner: the 200 answer's event scanner, else None.
         received: some byte of the answer has arrived.
         rest: bytes fed past the end of the answer.
+        retry_after_s: a 429 or 503 answer's ``Retry-After`` in seconds
+            (whole seconds only; an HTTP date is not read), else None.
     """
 
     __slots__ = (
@@ -341,6 +343,7 @@ class ResponseParser:
         "keep_alive",
         "received",
         "rest",
+        "retry_after_s",
         "scanner",
         "status",
     )
@@ -355,6 +358,7 @@ class ResponseParser:
         self.scanner: StreamScanner | None = None
         self.received = False
         self.rest = b""
+        self.retry_after_s: float | None = None
 
     @property
     def ends_at_close(self) -> bool:
@@ -386,6 +390,10 @@ class ResponseParser:
             self.status, chunked, length, self.keep_alive = _parse_head(buf[:end])
             if self.status == 200:
                 self.scanner = StreamScanner()
+            elif self.status in (429, 503):
+                value = _header(buf[:end].lower(), b"\r\nretry-after:")
+                if value is not None and value.isdigit():
+                    self.retry_after_s = float(value)
             data = buf[end + 4 :]
             if chunked:
                 phase = self._phase = _CHUNKED
