@@ -445,24 +445,38 @@ class UpstreamResponse:
             parts.append(chunk)
         return b"".join(parts)
 
+    def _give_back(self) -> bool:
+        """Give the connection back to the pool if the answer was read to
+        its end, nothing came after it, and both sides keep it alive;
+        whether it was (else it is still to be closed)."""
+        connection = self._connection
+        if connection is None:
+            return True
+        if self._complete and self._keep_alive and not self._body.rest and not self._pending:
+            self._connection = None
+            self._pool._give_back(connection)
+            return True
+        return False
+
     async def aclose(self) -> None:
         """Give the connection back to the pool if the answer was read to its
         end, nothing came after it, and both sides keep it alive; close it
         otherwise."""
+        if self._give_back():
+            return
         connection, self._connection = self._connection, None
-        if connection is None:
-            return
-        if self._complete and self._keep_alive and not self._body.rest and not self._pending:
-            self._pool._give_back(connection)
-            return
-        await _close(connection)
+        if connection is not None:
+            await _close(connection)
 
     async def __aenter__(self) -> UpstreamResponse:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        with trio.CancelScope(shield=True):
-            await self.aclose()
+        # Given back without waiting (the usual end): no shielded scope,
+        # which costs more than the rest of this.
+        if not self._give_back():
+            with trio.CancelScope(shield=True):
+                await self.aclose()
 
 
 class UpstreamPool:
