@@ -7,6 +7,8 @@ from functools import partial
 import orjson
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.engines.testing import open_sim
 from llmgw.gateway.upstream import UpstreamError, UpstreamPool
@@ -299,3 +301,46 @@ async def test_a_header_that_would_break_the_request_is_not_sent() -> None:
         await pool.request(b"POST", b"/v1/x", [(b"x-id", b"a\r\nx-injected: 1")], b"{}")
     assert caught.value.before_response
     assert pool.statistics()["opened"] == 0
+
+
+@st.composite
+def _chunked_reads(draw: st.DrawFn) -> tuple[list[bytes], bytes]:
+    """A chunked body (sizes in either case, with leading zeros, some with
+    extensions) cut into reads: mostly one whole chunk each (the short
+    way), sometimes more or less than one."""
+    pieces = draw(st.lists(st.binary(min_size=1, max_size=40), max_size=8))
+    wire: list[bytes] = []
+    for piece in pieces:
+        size = b"%x" % len(piece)
+        if draw(st.booleans()):
+            size = size.upper()
+        size = b"0" * draw(st.integers(0, 2)) + size
+        extension = b";x=1" if draw(st.integers(0, 4)) == 0 else b""
+        wire.append(size + extension + b"\r\n" + piece + b"\r\n")
+    wire.append(b"0\r\n\r\n")
+    reads: list[bytes] = []
+    at = 0
+    while at < len(wire):
+        take = draw(st.sampled_from([1, 1, 1, 2]))
+        joined = b"".join(wire[at : at + take])
+        if draw(st.integers(0, 5)) == 0 and len(joined) > 1:
+            cut_at = draw(st.integers(1, len(joined) - 1))
+            reads += [joined[:cut_at], joined[cut_at:]]
+        else:
+            reads.append(joined)
+        at += take
+    return reads, b"".join(pieces)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_chunked_reads())
+def test_a_chunked_body_read_in_whole_chunks_or_not_is_the_body(
+    case: tuple[list[bytes], bytes],
+) -> None:
+    from llmgw.gateway.upstream import BodyReader
+
+    reads, body = case
+    reader = BodyReader(chunked=True, length=None)
+    assert b"".join(reader.feed(data) for data in reads) == body
+    assert reader.done
+    assert reader.rest == b""
