@@ -348,8 +348,10 @@ class UpstreamResponse:
         self._pending = pending
         self._reads = 0
         #: The last read took all the socket had (less than READ_SIZE): the
-        #: next one waits for more first (the head's read was one such).
-        self._drained = True
+        #: next one waits for more first. Not so for the body's first read
+        #: (the first token may have come just after the head: taken at
+        #: once, as before, not after a trip through the scheduler).
+        self._drained = False
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower case), or ``None``."""

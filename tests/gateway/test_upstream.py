@@ -130,9 +130,9 @@ async def test_a_streamed_answer_waits_for_each_event_instead_of_trying_an_empty
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A fake engine sends its head, then one chunk at a time with pauses:
-    every piece arrives whole, and no read of the engine's socket finds it
-    empty (after a read that took all there was, the next waits first),
-    neither for the head nor for the body."""
+    every piece arrives whole, and no read of the engine's socket but the
+    body's first finds it empty (after a read that took all there was, the
+    next waits first), neither for the head nor for the body."""
     import os
 
     pieces = [b"data: %d\n\n" % n for n in range(5)]
@@ -177,7 +177,8 @@ async def test_a_streamed_answer_waits_for_each_event_instead_of_trying_an_empty
                         got.append(piece)
                 assert got == pieces
                 assert reads
-                assert empty == []
+                # At most the body's first read tries the socket at once.
+                assert len(empty) <= 1
             finally:
                 monkeypatch.undo()
                 await pool.aclose()
