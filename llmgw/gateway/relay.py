@@ -196,40 +196,45 @@ class Relay:
             sent_at = time.perf_counter()
             overhead_s = max(0.0, sent_at - request.started - route.waited_s)
             timeouts = self._cluster.settings.router.timeouts
-            try:
-                with attempt.waiting_first_byte(), trio.fail_after(timeouts.first_byte):
-                    response = await pool.request(b"POST", path, headers, body)
+            response: UpstreamResponse | None = None
+            head_s = 0.0
+            # One deadline for the attempt (a cancel scope costs several µs):
+            # the first byte's, then, once the head came, the generation's.
+            with trio.CancelScope(deadline=trio.current_time() + timeouts.first_byte) as deadline:
+                try:
+                    with attempt.waiting_first_byte():
+                        response = await pool.request(b"POST", path, headers, body)
+                except (UpstreamError, EndpointLost) as exc:
+                    if route.unreachable(attempt, exc):
+                        return False
+                    raise _unanswered(request) from exc
                 head_s = time.perf_counter() - sent_at
-            except (UpstreamError, EndpointLost, trio.TooSlowError) as exc:
-                if route.unreachable(attempt, exc):
-                    return False
-                raise ApiError(
-                    502,
-                    f"The replica serving '{request.model}' did not answer; retry.",
-                    type="server_error",
-                    code="upstream_error",
-                ) from exc
-            async with response:
-                status = response.status
-                if status != 200 and route.turned_away(
-                    attempt, status, response.header(b"retry-after")
-                ):
-                    return False
-                with trio.move_on_after(timeouts.generation) as generation:
+                async with response:
+                    status = response.status
+                    if status != 200 and route.turned_away(
+                        attempt, status, response.header(b"retry-after")
+                    ):
+                        return False
+                    deadline.deadline = trio.current_time() + timeouts.generation
                     await self._relay(send, request, outcome, endpoint, response, overhead_s, keep)
-                if generation.cancelled_caught:
-                    log.warning(
-                        "%s: generation over %.0f s; cut", endpoint.label, timeouts.generation
-                    )
-                    outcome.finish(504)
-                ttft_s = outcome.ttft_s
-                if ttft_s is None and not request.stream and status == 200:
-                    # A whole answer's head comes after its generation: the
-                    # replicas of one model see the same mix of requests, so
-                    # this still ranks them by speed.
-                    ttft_s = head_s
-                route.answered(attempt, status, ttft_s)
-                return True
+            if response is None:
+                # No head within the first byte's deadline.
+                slow = trio.TooSlowError()
+                if route.unreachable(attempt, slow):
+                    return False
+                raise _unanswered(request) from slow
+            status = response.status
+            if deadline.cancelled_caught:
+                log.warning("%s: generation over %.0f s; cut", endpoint.label, timeouts.generation)
+                outcome.finish(504)
+            ttft_s = outcome.ttft_s
+            if ttft_s is None and not request.stream and status == 200:
+                # A whole answer's head comes after its generation: the
+                # replicas of one model see the same mix of requests, so
+                # this still ranks them by speed.
+                ttft_s = head_s
+            route.answered(attempt, status, ttft_s)
+            return True
 
     async def _relay(
         self,
@@ -620,6 +625,16 @@ def _stream_shape(
         )
     guard = _output_guard(request, outcome)
     return (shape if guard is None else GuardedStream(shape, guard)), judged
+
+
+def _unanswered(request: Request) -> ApiError:
+    """502 ``upstream_error``: the last replica tried did not answer."""
+    return ApiError(
+        502,
+        f"The replica serving '{request.model}' did not answer; retry.",
+        type="server_error",
+        code="upstream_error",
+    )
 
 
 def _broken(request: Request) -> bytes:

@@ -102,9 +102,16 @@ class _Connection:
         #: A plain socket's descriptor, read and written directly; ``-1``: TLS.
         self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
 
-    async def read(self) -> bytes:
+    async def read(self, *, wait: bool = False) -> bytes:
         """The next bytes (``b""`` at the peer's close): at once when the
         socket has some, else after waiting for them (a checkpoint).
+
+        Args:
+            wait: wait until the socket is readable before reading, for a
+                socket that was found empty a moment ago (the last read
+                took all it had): a read that finds nothing costs a system
+                call and an exception, and a streamed answer's next event
+                has almost never arrived yet (``docs/performance.md``).
 
         Raises:
             trio.BrokenResourceError, OSError: the connection broke.
@@ -112,7 +119,10 @@ class _Connection:
         fd = self.fd
         if fd < 0:
             return bytes(await self.stream.receive_some(READ_SIZE))
-        await trio.lowlevel.checkpoint_if_cancelled()
+        if wait:
+            await trio.lowlevel.wait_readable(fd)
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
                 return os.read(fd, READ_SIZE)
@@ -191,6 +201,9 @@ def parse_head(block: bytes) -> Head:
     return Head(int(match.group(2)), match.group(1), headers)
 
 
+_HEX_DIGITS: Final = b"0123456789abcdefABCDEF"
+
+
 class FramingError(ValueError):
     """An answer's body is not framed as its head said (a bad chunk)."""
 
@@ -242,6 +255,15 @@ class BodyReader:
             self._left = 0
             self.done = True
             return body
+        if self._state == self._SIZE and not self._buffer:
+            # The usual read of a streamed answer: exactly one whole chunk.
+            eol = data.find(b"\r\n", 0, 18)
+            if eol > 0:
+                text = data[:eol]
+                if len(text) <= 16 and not text.strip(_HEX_DIGITS):
+                    end = eol + 2 + int(text, 16)
+                    if end > eol + 2 and len(data) == end + 2 and data.endswith(b"\r\n"):
+                        return data[eol + 2 : end]
         buffer = self._buffer + data if self._buffer else data
         out: list[bytes] = []
         at = 0
@@ -281,7 +303,7 @@ class BodyReader:
                         break
                     continue
                 text = line.split(b";", 1)[0].strip(b" \t")
-                if not text or len(text) > 16 or text.strip(b"0123456789abcdefABCDEF"):
+                if not text or len(text) > 16 or text.strip(_HEX_DIGITS):
                     raise FramingError(f"bad chunk size {line[:40]!r}")
                 self._left = int(text, 16)
                 self._state = self._DATA if self._left else self._TRAILER
@@ -325,6 +347,11 @@ class UpstreamResponse:
         # What was read past the head: the body's first bytes.
         self._pending = pending
         self._reads = 0
+        #: The last read took all the socket had (less than READ_SIZE): the
+        #: next one waits for more first. Not so for the body's first read
+        #: (the first token may have come just after the head: taken at
+        #: once, as before, not after a trip through the scheduler).
+        self._drained = False
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower case), or ``None``."""
@@ -356,7 +383,25 @@ class UpstreamResponse:
             if self._pending:
                 data, self._pending = self._pending, b""
             else:
-                data = await self._read(connection)
+                fd = connection.fd
+                if fd >= 0 and self._drained:
+                    # The streamed answer's usual step, inline (one coroutine
+                    # fewer per event): wait for the engine, then read.
+                    self._reads = 0
+                    try:
+                        await trio.lowlevel.wait_readable(fd)
+                        data = os.read(fd, READ_SIZE)
+                        self._drained = len(data) < READ_SIZE
+                    except BlockingIOError:
+                        self._drained = False  # woken for nothing: the slow way
+                        data = await self._read(connection)
+                    except (trio.ClosedResourceError, OSError) as exc:
+                        raise UpstreamError(
+                            f"engine connection broke: {errors.describe(exc)}",
+                            before_response=False,
+                        ) from exc
+                else:
+                    data = await self._read(connection)
                 if not data:
                     if body.until_close:
                         self._complete = True  # the body ran to the close
@@ -377,13 +422,19 @@ class UpstreamResponse:
 
     async def _read(self, connection: _Connection) -> bytes:
         """The next bytes from the engine (``b""`` at its close)."""
-        self._reads += 1
-        if self._reads >= READS_BEFORE_YIELD:
-            # Data came at once many times in a row: let the others run.
-            self._reads = 0
-            await trio.lowlevel.checkpoint()
+        drained = self._drained
+        if drained:
+            self._reads = 0  # the wait is a trip through the scheduler
+        else:
+            self._reads += 1
+            if self._reads >= READS_BEFORE_YIELD:
+                # Data came at once many times in a row: let the others run.
+                self._reads = 0
+                await trio.lowlevel.checkpoint()
         try:
-            return await connection.read()
+            data = await connection.read(wait=drained)
+            self._drained = len(data) < READ_SIZE
+            return data
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise UpstreamError(
                 f"engine connection broke: {errors.describe(exc)}", before_response=False
@@ -396,24 +447,38 @@ class UpstreamResponse:
             parts.append(chunk)
         return b"".join(parts)
 
+    def _give_back(self) -> bool:
+        """Give the connection back to the pool if the answer was read to
+        its end, nothing came after it, and both sides keep it alive;
+        whether it was (else it is still to be closed)."""
+        connection = self._connection
+        if connection is None:
+            return True
+        if self._complete and self._keep_alive and not self._body.rest and not self._pending:
+            self._connection = None
+            self._pool._give_back(connection)
+            return True
+        return False
+
     async def aclose(self) -> None:
         """Give the connection back to the pool if the answer was read to its
         end, nothing came after it, and both sides keep it alive; close it
         otherwise."""
+        if self._give_back():
+            return
         connection, self._connection = self._connection, None
-        if connection is None:
-            return
-        if self._complete and self._keep_alive and not self._body.rest and not self._pending:
-            self._pool._give_back(connection)
-            return
-        await _close(connection)
+        if connection is not None:
+            await _close(connection)
 
     async def __aenter__(self) -> UpstreamResponse:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        with trio.CancelScope(shield=True):
-            await self.aclose()
+        # Given back without waiting (the usual end): no shielded scope,
+        # which costs more than the rest of this.
+        if not self._give_back():
+            with trio.CancelScope(shield=True):
+                await self.aclose()
 
 
 class UpstreamPool:
@@ -561,7 +626,8 @@ class UpstreamPool:
                 if end < 0:
                     if len(buffer) > MAX_HEAD_BYTES:
                         raise FramingError(f"an answer head over {MAX_HEAD_BYTES} bytes")
-                    chunk = await connection.read()
+                    # The request was just written: the answer is not there yet.
+                    chunk = await connection.read(wait=True)
                     if not chunk:
                         if buffer:
                             raise FramingError("the engine closed the connection mid-head")

@@ -9,17 +9,39 @@ longer one (ties to the earlier rule).
 
 from __future__ import annotations
 
+import functools
+import importlib
+import re
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import hyperscan
 
 from .patterns import Kind
 
-__all__ = ["Hit", "Matcher", "Rule"]
+__all__ = ["Hit", "Matcher", "Rule", "min_match_bytes"]
 
 _BASE_FLAGS: Final = hyperscan.HS_FLAG_SOM_LEFTMOST
+#: Python's own regular expression parser (``re._parser``), for the
+#: shortest match of a built-in kind's pattern.
+_RE_PARSER: Final[Any] = importlib.import_module("re._parser")
+
+
+def min_match_bytes(kind: Kind) -> int:
+    """The fewest bytes a match of ``kind`` can have; 0 when not known.
+
+    Only the built-in kinds (``llmgw/guard/patterns.py``, written in the
+    syntax Python's ``re`` and hyperscan read alike) are measured; a
+    policy's own ``deny`` pattern (hyperscan's syntax, e.g. POSIX classes
+    Python reads otherwise) counts as possibly empty."""
+    if kind.rule.startswith("deny:"):
+        return 0
+    try:
+        low, _ = _RE_PARSER.parse(kind.pattern).getwidth()
+    except (re.error, OverflowError, RecursionError):  # Python cannot read it: not known
+        return 0
+    return int(low)
 
 
 @attrs.frozen
@@ -78,6 +100,24 @@ class Matcher:
             else None
         )
         self._scratch = hyperscan.Scratch(self._database) if self._database is not None else None
+        #: No rule matches text shorter than this many bytes (so it need
+        #: not be scanned): the least of :func:`min_match_bytes`; 0 with no rules.
+        self.min_bytes = min((min_match_bytes(rule.kind) for rule in self.rules), default=0)
+
+    @functools.cached_property
+    def acts(self) -> bool:
+        """Some rule changes or stops text (its action is not ``flag``)."""
+        return any(rule.action != "flag" for rule in self.rules)
+
+    @functools.cached_property
+    def denies(self) -> bool:
+        """Some rule is a policy's own ``deny`` pattern (which may span words)."""
+        return any(rule.kind.rule.startswith("deny:") for rule in self.rules)
+
+    @functools.cached_property
+    def acts_on_names(self) -> bool:
+        """Person names are redacted or blocked (a name may go on with a surname)."""
+        return any(rule.kind.rule == "pii:person" and rule.action != "flag" for rule in self.rules)
 
     def scan(self, data: bytes) -> list[Hit]:
         """The hits in ``data``, in order, none overlapping."""

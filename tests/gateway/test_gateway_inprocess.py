@@ -642,3 +642,64 @@ async def test_the_get_routes_refuse_other_methods_with_allow(
     assert got.status == 405, got.body
     assert got.headers[b"allow"] == b"GET, HEAD"
     assert got.json()["error"]["code"] == "method_not_allowed"
+
+
+# --- the attempt's deadlines: the first byte's, then the generation's ---------------
+
+
+async def _slow_sim(rig: Rig, nursery: trio.Nursery, stop: trio.Event, **config: Any) -> None:
+    """The rig's replica moved to a sim engine of its own, ``config`` (SimConfig)."""
+    sim = SimEngine(SimConfig(model="sim-model", tick_ms=0, **config), api_key=ENGINE_KEY)
+    address = await nursery.start(serve_http1, sim, "127.0.0.1:0", stop, 1.0)
+    rig.cluster.endpoints["sim-model"][0].port = int(address.rsplit(":", 1)[1])
+
+
+def _timeouts(rig: Rig, **seconds: float) -> None:
+    from llmgw.settings import TimeoutSettings
+
+    rig.cluster.apply_settings(
+        ServerSettings(router=RouterSettings(timeouts=TimeoutSettings(**seconds)))
+    )
+
+
+async def test_a_replica_without_a_first_byte_in_time_is_502_and_recorded(rig: Rig) -> None:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await _slow_sim(rig, nursery, stop, tokens=3, ttft_ms=5000)
+        _timeouts(rig, first_byte=0.2)
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+        with trio.fail_after(30):
+            # Not streamed: the sim sends the head once the answer is done.
+            got = await rig.call("POST", "/v1/chat/completions", body)
+        assert got.status == 502, got.body
+        assert got.json()["error"]["code"] == "upstream_error"
+        row = await rig.row(got.headers[b"x-request-id"])
+        assert row.status == 502
+        stop.set()
+
+
+async def test_a_generation_over_its_deadline_is_cut_with_a_504_row_and_the_next_is_served(
+    rig: Rig,
+) -> None:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await _slow_sim(rig, nursery, stop, tokens=200, tokens_per_second=20)
+        _timeouts(rig, first_byte=20, generation=0.5)
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+        started = trio.current_time()
+        with trio.fail_after(30):
+            got = await rig.call("POST", "/v1/chat/completions", {**body, "stream": True})
+        assert trio.current_time() - started < 8  # not the 10 s the whole answer takes
+        assert got.status == 200
+        assert b'"content":"tok0 "' in got.body
+        assert not got.body.endswith(b"data: [DONE]\n\n")
+        row = await rig.row(got.headers[b"x-request-id"])
+        assert row.status == 504
+        assert 0 < row.completion_tokens < 200
+        # A fast answer within the same deadlines is whole.
+        _timeouts(rig, first_byte=5, generation=30)
+        with trio.fail_after(30):
+            whole = await rig.call("POST", "/v1/chat/completions", {**body, "max_tokens": 3})
+        assert whole.status == 200
+        assert (await rig.row(whole.headers[b"x-request-id"])).status == 200
+        stop.set()

@@ -7,6 +7,8 @@ from functools import partial
 import orjson
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.engines.testing import open_sim
 from llmgw.gateway.upstream import UpstreamError, UpstreamPool
@@ -124,6 +126,65 @@ async def test_a_connection_the_engine_closed_while_idle_is_replaced_transparent
             nursery.cancel_scope.cancel()
 
 
+async def test_a_streamed_answer_waits_for_each_event_instead_of_trying_an_empty_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fake engine sends its head, then one chunk at a time with pauses:
+    every piece arrives whole, and no read of the engine's socket but the
+    body's first finds it empty (after a read that took all there was, the
+    next waits first), neither for the head nor for the body."""
+    import os
+
+    pieces = [b"data: %d\n\n" % n for n in range(5)]
+
+    async def streaming(stream: trio.SocketStream) -> None:
+        async with stream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive_some(4096)
+            await trio.sleep(0.05)  # the answer is not there when the read starts
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for piece in pieces:
+                await trio.sleep(0.02)
+                await stream.send_all(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await stream.send_all(b"0\r\n\r\n")
+            await trio.sleep(1)
+
+    reads: list[int] = []
+    empty: list[int] = []
+    real_read = os.read
+
+    def counting_read(fd: int, size: int) -> bytes:
+        reads.append(fd)
+        try:
+            return real_read(fd, size)
+        except BlockingIOError:
+            empty.append(fd)
+            raise
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            [listener] = await nursery.start(
+                partial(trio.serve_tcp, streaming, 0, host="127.0.0.1")
+            )
+            port = listener.socket.getsockname()[1]
+            pool = UpstreamPool("127.0.0.1", port)
+            monkeypatch.setattr(os, "read", counting_read)
+            try:
+                async with await pool.request(b"POST", b"/", [], b"{}") as response:
+                    got = []
+                    while piece := await response.receive():
+                        got.append(piece)
+                assert got == pieces
+                assert reads
+                # At most the body's first read tries the socket at once.
+                assert len(empty) <= 1
+            finally:
+                monkeypatch.undo()
+                await pool.aclose()
+            nursery.cancel_scope.cancel()
+
+
 # -- the body reader, alone
 
 _CHUNKED = b"5\r\nhello\r\n1;ext=1\r\n \r\nA \r\n0123456789\r\n0\r\nx-trailer: 1\r\n\r\n"
@@ -141,6 +202,20 @@ def test_a_chunked_body_is_the_same_cut_anywhere(rest: bytes) -> None:
         assert body == b"hello 0123456789"
         assert reader.done
         assert reader.rest == rest
+
+
+def test_a_chunked_body_read_one_whole_chunk_at_a_time_is_the_same() -> None:
+    """Each read exactly one chunk (the streamed answer's usual read, taken
+    the short way), mixed with reads that are not."""
+    from llmgw.gateway.upstream import BodyReader
+
+    chunks = [b"5\r\nhello\r\n", b"00A\r\n0123456789\r\n", b"1;x=1\r\n!\r\n"]
+    chunks += [b"f\r\n" + b"e" * 15 + b"\r\n", b"3\r\nab", b"c\r\n", b"2\r\nxy\r\n0\r\n\r\n"]
+    reader = BodyReader(chunked=True, length=None)
+    pieces = [reader.feed(chunk) for chunk in chunks]
+    assert pieces == [b"hello", b"0123456789", b"!", b"e" * 15, b"ab", b"c", b"xy"]
+    assert reader.done
+    assert reader.rest == b""
 
 
 def test_a_body_of_a_given_length_ends_there() -> None:
@@ -166,6 +241,10 @@ def test_a_body_of_a_given_length_ends_there() -> None:
         b"\r\n",  # an empty size
         b"1" * 17 + b"\r\n",  # too many digits
         b"5" * 5000,  # a size line that never ends
+        b"0x5\r\nhello\r\n",  # a prefix int() would take
+        b"+5\r\nhello\r\n",  # a sign
+        b"5\r\nhelloX\n",  # one whole chunk's length, no CRLF after the data
+        b"5\r\nhello\n\r",
     ],
 )
 def test_a_malformed_chunk_is_a_framing_error(wire: bytes) -> None:
@@ -223,3 +302,46 @@ async def test_a_header_that_would_break_the_request_is_not_sent() -> None:
         await pool.request(b"POST", b"/v1/x", [(b"x-id", b"a\r\nx-injected: 1")], b"{}")
     assert caught.value.before_response
     assert pool.statistics()["opened"] == 0
+
+
+@st.composite
+def _chunked_reads(draw: st.DrawFn) -> tuple[list[bytes], bytes]:
+    """A chunked body (sizes in either case, with leading zeros, some with
+    extensions) cut into reads: mostly one whole chunk each (the short
+    way), sometimes more or less than one."""
+    pieces = draw(st.lists(st.binary(min_size=1, max_size=40), max_size=8))
+    wire: list[bytes] = []
+    for piece in pieces:
+        size = b"%x" % len(piece)
+        if draw(st.booleans()):
+            size = size.upper()
+        size = b"0" * draw(st.integers(0, 2)) + size
+        extension = b";x=1" if draw(st.integers(0, 4)) == 0 else b""
+        wire.append(size + extension + b"\r\n" + piece + b"\r\n")
+    wire.append(b"0\r\n\r\n")
+    reads: list[bytes] = []
+    at = 0
+    while at < len(wire):
+        take = draw(st.sampled_from([1, 1, 1, 2]))
+        joined = b"".join(wire[at : at + take])
+        if draw(st.integers(0, 5)) == 0 and len(joined) > 1:
+            cut_at = draw(st.integers(1, len(joined) - 1))
+            reads += [joined[:cut_at], joined[cut_at:]]
+        else:
+            reads.append(joined)
+        at += take
+    return reads, b"".join(pieces)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_chunked_reads())
+def test_a_chunked_body_read_in_whole_chunks_or_not_is_the_body(
+    case: tuple[list[bytes], bytes],
+) -> None:
+    from llmgw.gateway.upstream import BodyReader
+
+    reads, body = case
+    reader = BodyReader(chunked=True, length=None)
+    assert b"".join(reader.feed(data) for data in reads) == body
+    assert reader.done
+    assert reader.rest == b""

@@ -201,3 +201,68 @@ def test_the_words_held_back_are_those_of_the_word_by_word_rule(held: bytes) -> 
         (_CONTINUABLE_NAMES, re.compile(rb"[A-Z0-9+().\-][A-Za-z0-9+().'\-\x80-\xff]*\Z")),
     ):
         assert _word_release(held, fast) == _word_release_by_words(held, slow)
+
+
+_BASELINE = _guard({})
+_TEXT_PIECES = [" ", "\n", "tok7 ", " tok", "7", "card ", "4111", " 1111", "-1111", "AKIA"]
+_TEXT_PIECES += ["IOSFODNN", "7EXAMPLE", "sk-", "proj-", "abcdefghij", "KLMNOPQRST", "é", "(", ")"]
+_TEXT_PIECES += ["pg://u:", "p@h.io", '{"to":"', "555-", "0100", ".", "x" * 40]
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(_TEXT_PIECES), max_size=40))
+def test_the_short_way_of_feed_plain_sends_and_records_what_the_general_one_does(
+    pieces: list[str],
+) -> None:
+    """``feed_plain``'s inline case (words held back, text shorter than any
+    match not scanned) against ``_act`` scanning every time: the same
+    bytes released, the same stop, the same verdict."""
+    guard = _BASELINE
+    quick_verdict, slow_verdict = Verdict(), Verdict()
+    quick = OutputGuard(guard.output, quick_verdict, Redactor(), restore=False)
+    slow = OutputGuard(guard.output, slow_verdict, Redactor(), restore=False)
+    assert quick._quick
+    assert quick._min_bytes > 0
+    slow._quick = False
+    slow._min_bytes = 0
+    for piece in pieces:
+        data = piece.encode()
+        assert quick.feed_plain(0, data) == slow.feed_plain(0, data)
+    assert quick.close(0) == slow.close(0)
+    assert quick_verdict.events == slow_verdict.events
+    assert quick_verdict.stopped == slow_verdict.stopped
+
+
+def test_a_text_shorter_than_any_match_is_not_scanned_and_one_as_long_is() -> None:
+    from llmgw.guard.matcher import min_match_bytes
+    from llmgw.guard.patterns import INJECTION, PII, SECRETS, Kind, person_kinds
+
+    guard = _guard({})
+    matcher = guard.output.matcher
+    # baseline's output rules: cards and secrets; the shortest is a
+    # connection string (``a://b:c@d``... one more name byte: 10).
+    assert matcher.min_bytes == 10
+    for kind in (*SECRETS, *PII.values(), *INJECTION, *person_kinds()):
+        assert min_match_bytes(kind) > 0, kind.rule
+    assert min_match_bytes(Kind("deny:p:0", "DENIED", rb"[[:alpha:]]")) == 0
+    denying = _guard({"policies": {"p": {"output": {"deny": ["zeus"]}}}, "default": ["p"]})
+    assert denying.output.matcher.min_bytes == 0
+    scanned: list[bytes] = []
+    real_scan = matcher.scan
+
+    def counting(data: bytes) -> Any:
+        scanned.append(data)
+        return real_scan(data)
+
+    output = OutputGuard(guard.output, Verdict(), Redactor(), restore=False)
+    matcher.scan = counting
+    try:
+        assert output.feed_plain(0, b"tok7 ") == (b"tok7 ", False)
+        assert output.feed_plain(0, b"a://b:c@d ") == (b"a://b:c@d ", False)
+        assert output.feed_plain(0, b"pg://user:pw@host ") == (b"", True)
+    finally:
+        del matcher.scan
+    # Not the first; the second and third (again by the general way, which
+    # then stops the choice).
+    assert scanned[0] == b"a://b:c@d "
+    assert set(scanned[1:]) == {b"pg://user:pw@host "}
