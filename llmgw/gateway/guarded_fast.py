@@ -361,7 +361,6 @@ class ObserveStream:
     """
 
     __slots__ = (
-        "_end",
         "_guard",
         "_guarded",
         "_head",
@@ -390,11 +389,9 @@ class ObserveStream:
         #: What the relay sent, not yet read (whole events), and its size.
         self._pending: list[bytes] = []
         self._size = 0
-        #: The learned envelope (``b""``: none yet), the bytes that end a
-        #: plain event (its tail and the blank line), its choice.
+        #: The learned envelope (``b""``: none yet) and its choice.
         self._head = b""
         self._tail = b""
-        self._end = b""
         self._index = 0
         self._tries = _LEARN_TRIES
 
@@ -404,7 +401,9 @@ class ObserveStream:
         if out:
             self._pending.append(out)
             self._size += len(out)
-            if self._size >= OBSERVE_BATCH_BYTES:
+            # Read at once when the stream is done: its usage row, which
+            # says what was flagged, is written as that end is sent.
+            if self._size >= OBSERVE_BATCH_BYTES or self._relay.done:
                 self._read()
         return out
 
@@ -425,66 +424,93 @@ class ObserveStream:
         return rest
 
     def _read(self) -> None:
-        """Read the kept events (timed as the guard's): from the first
-        that starts with the learned head through the last that ends with
-        its tail, all at once when each is a plain content event (each
-        kept read one event: their texts sliced out; reads of several:
-        split at their blank lines first); the others, and all of them
-        when that run is not plain throughout, one event at a time."""
+        """Read the kept events (timed as the guard's). When each read is
+        one plain content event (in the learned envelope), all at once.
+        Else split at their blank lines: from the first that starts with
+        the learned head through the last that ends with its tail, all at
+        once when each is plain; when not, each stretch of plain-looking
+        ones at once, each other event the ordinary way (parsed, guarded)."""
         verdict = self._verdict
         spent = verdict.seconds
         started = _clock()
         reads, self._pending = self._pending, []
         self._size = 0
-        count = len(reads)
-        runs = True
+        head, tail = self._head, self._tail
+        first = reads[0]
+        if (
+            head
+            and first.startswith(head)
+            and first.find(_EVENT_END) == len(first) - 2
+            and reads[-1].endswith(tail + _EVENT_END)
+        ):
+            # A long answer's middle, one event a read: no split needed.
+            texts = _plain(reads, head, tail + _EVENT_END)
+            if texts is not None:
+                self._note(texts)
+                verdict.seconds = spent + (_clock() - started)
+                return
+        events = (first if len(reads) == 1 else b"".join(reads)).split(_EVENT_END)
+        events.pop()  # what follows the last blank line: nothing
+        count = len(events)
+        whole = True
         at = 0
         while at < count:
             head = self._head
-            if runs and head and reads[at].startswith(head):
-                end = self._end
+            if not (head and events[at].startswith(head)):
+                self._ordinary(events[at])
+                at += 1
+                continue
+            tail = self._tail
+            texts = None
+            if whole:
+                # Once a batch: through the last event that ends like a
+                # plain one (the events after it end the stream).
+                whole = False
                 stop = count
-                while stop > at and not reads[stop - 1].endswith(end):
+                while stop > at and not events[stop - 1].endswith(tail):
                     stop -= 1
-                texts = _plain(reads[at:stop], head, end)
-                if texts is None and stop > at:
-                    events = b"".join(reads[at:stop]).split(_EVENT_END)
-                    events.pop()  # what follows the last blank line: nothing
-                    texts = _plain(events, head, self._tail)
-                if texts is not None:
-                    self._note(texts)
-                    at = stop
-                    continue
-                runs = False
-            self._read_one(reads[at])
-            at += 1
+                texts = _plain(events[at:stop], head, tail)
+            if texts is None:
+                # Something odd among them: the plain-looking ones before it.
+                stop = at
+                while stop < count and events[stop].startswith(head):
+                    if not events[stop].endswith(tail):
+                        break
+                    stop += 1
+                texts = _plain(events[at:stop], head, tail)
+            if texts is not None:
+                self._note(texts)
+                at = stop
+                continue
+            for event in events[at : max(stop, at + 1)]:
+                self._one(event)
+            at = max(stop, at + 1)
         # The ordinary path's own timing is part of this one.
         verdict.seconds = spent + (_clock() - started)
 
-    def _read_one(self, read: bytes) -> None:
-        """The whole events of one kept read, one at a time."""
-        for event in read.split(_EVENT_END):
-            head, tail = self._head, self._tail
-            if (
-                head
-                and event.startswith(head)
-                and event.endswith(tail)
-                and len(event) >= len(head) + len(tail)
-            ):
-                data = _text(event[len(head) : len(event) - len(tail)])
-                if data is not None:
-                    self._note([data])
-                    continue
-            doc = parse_event(event)
-            if doc is None:
-                continue
-            if self._tries > 0:
-                self._tries -= 1
-                found = _envelope(event, doc)
-                if found is not None:
-                    self._head, self._tail, self._index, _ = found
-                    self._end = self._tail + _EVENT_END
-            self._guarded([doc])
+    def _one(self, event: bytes) -> None:
+        """One event that starts with the learned head: the fast way when
+        it is a plain content event, else the ordinary way."""
+        head, tail = self._head, self._tail
+        if event.startswith(head) and event.endswith(tail) and len(event) >= len(head) + len(tail):
+            data = _text(event[len(head) : len(event) - len(tail)])
+            if data is not None:
+                self._note([data])
+                return
+        self._ordinary(event)
+
+    def _ordinary(self, event: bytes) -> None:
+        """One event the ordinary way (parsed, guarded); the envelope
+        learned from it when it is a plain content event."""
+        doc = parse_event(event)
+        if doc is None:
+            return
+        if self._tries > 0:
+            self._tries -= 1
+            found = _envelope(event, doc)
+            if found is not None:
+                self._head, self._tail, self._index, _ = found
+        self._guarded([doc])
 
     def _note(self, texts: list[bytes]) -> None:
         """Queue plain events' texts; the envelope is known (learn no more)."""
@@ -495,16 +521,16 @@ class ObserveStream:
         self._guard.note_plain_many(index, texts)
 
 
-def _plain(items: list[bytes], head: bytes, tail: bytes) -> list[bytes] | None:
-    """The texts of ``items`` (UTF-8, as the ordinary path reads them)
+def _plain(events: list[bytes], head: bytes, tail: bytes) -> list[bytes] | None:
+    """The texts of ``events`` (UTF-8, as the ordinary path reads them)
     when each is ``head``, a JSON string's body and ``tail``; else None
     (also for none). One slice each and one comparison of them all put
     back together, no search."""
-    if not items:
+    if not events:
         return None
     start, stop = len(head), -len(tail)
-    bodies = [item[start:stop] for item in items]
-    if head + (tail + head).join(bodies) + tail != b"".join(items):
+    bodies = [event[start:stop] for event in events]
+    if head + (tail + head).join(bodies) + tail != b"".join(events):
         return None
     return _texts(bodies)
 

@@ -145,7 +145,7 @@ def test_observe_sends_what_the_relay_sends_and_records_what_the_ordinary_path_d
     assert observed[2:] == off[2:]
 
 
-def test_values_split_over_events_and_batches_are_recorded_once_the_answer_ends() -> None:
+def test_values_split_over_events_and_batches_are_recorded_by_the_answers_end() -> None:
     texts = [
         "Hi",
         *(["filler "] * 200),
@@ -164,9 +164,12 @@ def test_values_split_over_events_and_batches_are_recorded_once_the_answer_ends(
             relay, OutputGuard(_OBSERVE.output, verdict, Redactor(), restore=False)
         )
         with mock.patch.object(guarded_fast, "OBSERVE_BATCH_BYTES", batch):
-            sent = b"".join(stream.feed(read) for read in reads)
+            sent = b"".join(stream.feed(read) for read in reads[:-1])
             if batch == 16 * 1024:
                 assert verdict.rules == []  # not read yet: less than a batch kept
+            # Read once [DONE] comes: the usage row is written as it is sent.
+            sent += stream.feed(reads[-1])
+            assert verdict.rules == ["pii:email", "secret:aws_access_key"]
             sent += stream.finish()
         assert verdict.rules == ["pii:email", "secret:aws_access_key"]
         assert verdict.events == {
@@ -201,9 +204,12 @@ def test_runs_of_plain_events_are_read_at_once_and_odd_ones_one_at_a_time() -> N
         stream.feed(b"".join(reads[19:]))  # several events in one read
         stream.finish()
     # The first two events teach the envelope (the first has the role);
-    # the plain ones after them in one call; the odd choice the ordinary way.
-    assert fed[0] == (0, [t.encode() for t in texts[2:19]])
-    assert [t for _, pieces in fed for t in pieces] == [t.encode() for t in texts[2:]]
+    # the plain ones after them in one call up to the other choice's event,
+    # which goes the ordinary way; the plain ones after it in another.
+    assert fed == [
+        (0, [t.encode() for t in texts[2:20]]),
+        (0, [t.encode() for t in texts[20:]]),
+    ]
     assert verdict.rules == ["secret:aws_access_key"]
 
 
