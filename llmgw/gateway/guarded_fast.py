@@ -62,6 +62,9 @@ _LEARN_TRIES: Final = 16
 #: :data:`~llmgw.guard.output.FLAG_SCAN_BYTES`).
 OBSERVE_BATCH_BYTES: Final = 16 * 1024
 _NEWLINE: Final = b"\n"
+#: A chat stream's first event's head ends so (its role), the next ones' so.
+_ROLE_HEAD: Final = b'"delta":{"role":"assistant","content":"'
+_CONTENT_HEAD: Final = b'"delta":{"content":"'
 
 
 def _index(choice: dict[str, Any]) -> int:
@@ -449,7 +452,13 @@ class ObserveStream:
                 self._note(texts)
                 verdict.seconds = spent + (_clock() - started)
                 return
-        events = (first if len(reads) == 1 else b"".join(reads)).split(_EVENT_END)
+        batch = first if len(reads) == 1 else b"".join(reads)
+        # Events of one line each (as engines write them): split at every
+        # line end (a one-byte split), each event followed by an empty line.
+        lines = batch.split(_NEWLINE)
+        events = lines[::2]
+        if any(lines[1::2]):
+            events = batch.split(_EVENT_END)
         events.pop()  # what follows the last blank line: nothing
         count = len(events)
         whole = True
@@ -509,7 +518,12 @@ class ObserveStream:
             self._tries -= 1
             found = _envelope(event, doc)
             if found is not None:
-                self._head, self._tail, self._index, _ = found
+                head, self._tail, self._index, _ = found
+                if head.endswith(_ROLE_HEAD):
+                    # The first event, with the role: the next ones are
+                    # the same without it (checked whole when they come).
+                    head = head[: -len(_ROLE_HEAD)] + _CONTENT_HEAD
+                self._head = head
         self._guarded([doc])
 
     def _note(self, texts: list[bytes]) -> None:

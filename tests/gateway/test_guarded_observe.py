@@ -101,7 +101,7 @@ def _streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
     docs: list[Any] = _events(texts, usage=draw(st.booleans()))
     odd = draw(
         st.sampled_from(
-            ["none", "none", "spaced", "tool_call", "second_choice", "reasoning", "broken"]
+            ["none", "none", "spaced", "tool_call", "second_choice", "reasoning", "broken", "lines"]
         )
     )
     if odd == "spaced":
@@ -116,6 +116,10 @@ def _streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
         elif odd == "reasoning" and len(docs) > 3:
             docs.insert(2, _chunk("mail jane@example.com", field="reasoning_content"))
         data = _sse([*docs, "[DONE]"], end=draw(st.sampled_from([b"\n\n", b"\r\n\r\n", b"\r\r"])))
+        if odd == "lines":  # a comment, an event of two lines
+            data = b": ping\n\n" + data
+            at = data.find(b"data: ", len(data) // 2)
+            data = data[:at] + b"event: chunk\n" + data[at:]
         if odd == "broken":
             data = data.replace(b"tok7", b"tok\xff", 1).replace(b'"plan"}', b'"plan"', 1)
             data = data.replace("日".encode(), "日".encode()[:2], 1)
@@ -203,11 +207,11 @@ def test_runs_of_plain_events_are_read_at_once_and_odd_ones_one_at_a_time() -> N
             stream.feed(read)
         stream.feed(b"".join(reads[19:]))  # several events in one read
         stream.finish()
-    # The first two events teach the envelope (the first has the role);
-    # the plain ones after them in one call up to the other choice's event,
-    # which goes the ordinary way; the plain ones after it in another.
+    # The first event teaches the envelope (less its role); the plain ones
+    # after it in one call up to the other choice's event, which goes the
+    # ordinary way; the plain ones after that in another.
     assert fed == [
-        (0, [t.encode() for t in texts[2:20]]),
+        (0, [t.encode() for t in texts[1:20]]),
         (0, [t.encode() for t in texts[20:]]),
     ]
     assert verdict.rules == ["secret:aws_access_key"]
