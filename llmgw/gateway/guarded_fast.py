@@ -518,12 +518,19 @@ class ObserveStream:
             self._tries -= 1
             found = _envelope(event, doc)
             if found is not None:
-                head, self._tail, self._index, _ = found
+                head, tail, index, _ = found
+                self._tail, self._index = tail, index
                 if head.endswith(_ROLE_HEAD):
                     # The first event, with the role: the next ones are
                     # the same without it (checked whole when they come).
                     head = head[: -len(_ROLE_HEAD)] + _CONTENT_HEAD
                 self._head = head
+                # A plain content event: its text as the fast way queues it.
+                text = event[len(found[0]) : len(event) - len(tail)]
+                if text:
+                    self._opened.add(index)
+                self._guard.note_plain_many(index, [text])
+                return
         self._guarded([doc])
 
     def _note(self, texts: list[bytes]) -> None:
