@@ -515,9 +515,13 @@ class ObserveStream:
         if doc is None:
             return
         if self._tries > 0:
-            self._tries -= 1
             found = _envelope(event, doc)
-            if found is not None:
+            if found is None:
+                # Only events with text use up the tries (a thinking
+                # model's many reasoning events before its answer do not).
+                if b'"content":"' in event or b'"text":"' in event:
+                    self._tries -= 1
+            else:
                 head, tail, index, _ = found
                 self._tail, self._index = tail, index
                 if head.endswith(_ROLE_HEAD):
@@ -526,6 +530,7 @@ class ObserveStream:
                     head = head[: -len(_ROLE_HEAD)] + _CONTENT_HEAD
                 self._head = head
                 # A plain content event: its text as the fast way queues it.
+                self._tries -= 1
                 text = event[len(found[0]) : len(event) - len(tail)]
                 if text:
                     self._opened.add(index)

@@ -258,3 +258,28 @@ def test_an_event_of_another_choice_amid_plain_ones_is_not_read_as_theirs() -> N
             stream.feed(read)
         stream.finish()
         assert verdict.rules == []
+
+
+def test_a_thinking_models_reasoning_events_do_not_use_up_the_learning() -> None:
+    reasoning = [_chunk(f"step {n} ", field="reasoning_content") for n in range(40)]
+    texts = [f"tok{n} " for n in range(30)]
+    docs = [*reasoning, *_events(texts, usage=False)]
+    data = _sse([*docs, "[DONE]"])
+    verdict = Verdict()
+    guard = OutputGuard(_OBSERVE.output, verdict, Redactor(), restore=False)
+    stream = GuardedStream(SseRelay(pass_usage=False), guard)
+    fed: list[list[bytes]] = []
+    many = guard.note_plain_many
+
+    def spy(index: int, pieces: list[bytes]) -> None:
+        fed.append(list(pieces))
+        many(index, pieces)
+
+    with mock.patch.object(guard, "note_plain_many", spy):
+        for event in data.split(b"\n\n")[:-1]:
+            stream.feed(event + b"\n\n")
+        stream.finish()
+    assert fed == [[texts[0].encode()], [t.encode() for t in texts[1:]]]
+    assert _run(data, [], mode="observe", pass_usage=False) == _run(
+        data, [], mode="ordinary", pass_usage=False
+    )
