@@ -427,32 +427,43 @@ class ObserveStream:
         return rest
 
     def _read(self) -> None:
-        """Read the kept events (timed as the guard's). When each read is
-        one plain content event (in the learned envelope), all at once.
-        Else split at their blank lines: from the first that starts with
-        the learned head through the last that ends with its tail, all at
-        once when each is plain; when not, each stretch of plain-looking
-        ones at once, each other event the ordinary way (parsed, guarded)."""
+        """Read the kept reads (timed as the guard's): the first ones until
+        the envelope is learned, then, when each read from there is one
+        plain content event, all of them at once up to the last such (no
+        split); the others as :meth:`_events` reads them."""
         verdict = self._verdict
         spent = verdict.seconds
         started = _clock()
         reads, self._pending = self._pending, []
         self._size = 0
+        count = len(reads)
+        at = 0
+        while at < count and not self._head:
+            self._events(reads[at])
+            at += 1
         head, tail = self._head, self._tail
-        first = reads[0]
-        if (
-            head
-            and first.startswith(head)
-            and first.find(_EVENT_END) == len(first) - 2
-            and reads[-1].endswith(tail + _EVENT_END)
-        ):
-            # A long answer's middle, one event a read: no split needed.
-            texts = _plain(reads, head, tail + _EVENT_END)
-            if texts is not None:
-                self._note(texts)
-                verdict.seconds = spent + (_clock() - started)
-                return
-        batch = first if len(reads) == 1 else b"".join(reads)
+        if at < count and reads[at].startswith(head):
+            read = reads[at]
+            end = tail + _EVENT_END
+            stop = count
+            while stop > at and not reads[stop - 1].endswith(end):
+                stop -= 1
+            if stop > at and read.find(_EVENT_END) == len(read) - 2:
+                texts = _plain(reads[at:stop], head, end)
+                if texts is not None:
+                    self._note(texts)
+                    at = stop
+        if at < count:
+            self._events(reads[at] if at == count - 1 else b"".join(reads[at:]))
+        # The ordinary path's own timing is part of this one.
+        verdict.seconds = spent + (_clock() - started)
+
+    def _events(self, batch: bytes) -> None:
+        """The whole events of ``batch``, in order, split at their blank
+        lines: from the first that starts with the learned head through
+        the last that ends with its tail, all at once when each is plain;
+        when not, each stretch of plain-looking ones at once, each other
+        event the ordinary way (parsed, guarded)."""
         # Events of one line each (as engines write them): split at every
         # line end (a one-byte split), each event followed by an empty line.
         lines = batch.split(_NEWLINE)
@@ -494,8 +505,6 @@ class ObserveStream:
             for event in events[at : max(stop, at + 1)]:
                 self._one(event)
             at = max(stop, at + 1)
-        # The ordinary path's own timing is part of this one.
-        verdict.seconds = spent + (_clock() - started)
 
     def _one(self, event: bytes) -> None:
         """One event that starts with the learned head: the fast way when

@@ -208,11 +208,14 @@ def test_runs_of_plain_events_are_read_at_once_and_odd_ones_one_at_a_time() -> N
         stream.feed(b"".join(reads[19:]))  # several events in one read
         stream.finish()
     # The first event (parsed) teaches the envelope, less its role; the
-    # plain ones after it in one call up to the other choice's event,
-    # which goes the ordinary way; the plain ones after that in another.
+    # reads of one plain event each after it in one call; then the read of
+    # several events split: the plain ones up to the other choice's event
+    # in one call, that event the ordinary way, the plain ones after it in
+    # another.
     assert fed == [
         (0, [texts[0].encode()]),
-        (0, [t.encode() for t in texts[1:20]]),
+        (0, [t.encode() for t in texts[1:19]]),
+        (0, [texts[19].encode()]),
         (0, [t.encode() for t in texts[20:]]),
     ]
     assert verdict.rules == ["secret:aws_access_key"]
