@@ -351,10 +351,12 @@ class ObserveStream:
     :data:`OBSERVE_BATCH_BYTES`: each run of plain content events in the
     learned envelope (as :class:`FastStream` learns it) at once, their
     texts sliced out and checked in one pass over them all, then queued
-    in one call (:meth:`OutputGuard.note_plain_many`); every other event (the first, the last, usage, ``[DONE]``, tool calls,
-    other choices, anything unusual) the ordinary way, in order. So the
-    rules see the same texts in the same pieces and record the same as on
-    the ordinary path, by the answer's end.
+    in one call (:meth:`OutputGuard.note_plain_many`); every other event
+    (the first, the last, usage, ``[DONE]``, tool calls, reasoning, other
+    choices, anything unusual) the ordinary way, in order. So the rules
+    see the same texts in the same pieces and record the same as on the
+    ordinary path, by the answer's end (``[DONE]`` reads what is kept at
+    once: the usage row is written as it is sent).
 
     Args:
         relay: the stream's shape.
@@ -442,7 +444,7 @@ class ObserveStream:
             self._events(reads[at])
             at += 1
         head, tail = self._head, self._tail
-        if at < count and reads[at].startswith(head):
+        if head and at < count and reads[at].startswith(head):
             read = reads[at]
             end = tail + _EVENT_END
             stop = count
