@@ -30,7 +30,7 @@ from llmgw.settings import GuardJudge
 from llmgw.store import ModelRecord
 
 from .chat_stream import DONE, ChatChunkReader
-from .guarded_fast import FastStream
+from .guarded_fast import FastStream, ObserveStream
 from .sse import SseRelay, Usage
 from .upstream import UpstreamError
 
@@ -154,9 +154,10 @@ class GuardedStream(_InFront):
         #: bytes go on as they came (read, not written again).
         self._passthrough = not guard.changes_text and isinstance(shape, SseRelay)
 
-    #: The fast path (:class:`~llmgw.gateway.guarded_fast.FastStream`),
-    #: built on the first :meth:`feed`; False where there is none.
-    _fast: FastStream | Literal[False] | None = None
+    #: The fast path (:class:`~llmgw.gateway.guarded_fast.FastStream`, or
+    #: :class:`~llmgw.gateway.guarded_fast.ObserveStream` under rules that
+    #: only flag), built on the first :meth:`feed`; False where there is none.
+    _fast: FastStream | ObserveStream | Literal[False] | None = None
 
     def feed(self, data: bytes) -> bytes:
         """Take engine bytes; return what the client gets now."""
@@ -167,6 +168,9 @@ class GuardedStream(_InFront):
                 self._shape, self._guard, self._guarded, self._flush, self._open
             )
             fast = self._fast = built if built is not None else False
+            if fast:
+                # Later reads go straight to it (no call through this one).
+                self.feed = fast.feed  # type: ignore[method-assign]
         if fast:
             return fast.feed(data)
         # --

@@ -17,6 +17,13 @@ the ordinary path writes it compact). Only in front of the OpenAI relay
 (:class:`~llmgw.gateway.sse.SseRelay`), without ``restore``; once a rule
 has stopped a choice, every event goes the ordinary way.
 
+Under rules that only flag (``observe``), nothing the client gets can
+change: :class:`ObserveStream` sends the engine's bytes through the relay
+exactly as with the guard off, and reads what it sent in batches of 16
+KiB, each run of plain content events in the learned envelope at once (its
+texts sliced out, checked in one pass over them all), anything else the
+ordinary way.
+
 Sans-IO and pure but for the clock (the guard's time, once per read).
 """
 
@@ -34,7 +41,7 @@ from llmgw.guard.output import OutputGuard
 from .chat_stream import parse_event
 from .sse import SseRelay, normalize_line_ends, usage_from
 
-__all__ = ["FastStream"]
+__all__ = ["OBSERVE_BATCH_BYTES", "FastStream", "ObserveStream"]
 
 #: A JSON string's body that needs no decoding: no quote, backslash or
 #: control character (UTF-8 checked apart).
@@ -49,6 +56,15 @@ _clock: Final = time.perf_counter
 #: How many events of one stream may be looked at to learn the envelope
 #: (an engine that changes it in every event gets no fast path).
 _LEARN_TRIES: Final = 16
+#: Under rules that only flag, what the relay sent is read once this many
+#: bytes of it are kept (and at the stream's end): some 100 events, a few
+#: hundred bytes of their text (the rules scan it by the KiB:
+#: :data:`~llmgw.guard.output.FLAG_SCAN_BYTES`).
+OBSERVE_BATCH_BYTES: Final = 16 * 1024
+_NEWLINE: Final = b"\n"
+#: A chat stream's first event's head ends so (its role), the next ones' so.
+_ROLE_HEAD: Final = b'"delta":{"role":"assistant","content":"'
+_CONTENT_HEAD: Final = b'"delta":{"content":"'
 
 
 def _index(choice: dict[str, Any]) -> int:
@@ -100,7 +116,6 @@ class FastStream:
     __slots__ = (
         "_after_cr",
         "_buffer",
-        "_count",
         "_delta",
         "_flush",
         "_guard",
@@ -108,7 +123,6 @@ class FastStream:
         "_head",
         "_index",
         "_opened",
-        "_passthrough",
         "_relay",
         "_tail",
         "_tries",
@@ -129,8 +143,6 @@ class FastStream:
         self._guarded = guarded
         self._flush = flush
         self._opened = opened
-        #: Rules that only flag: the engine's bytes go on as they came.
-        self._passthrough = not guard.changes_text
         self._buffer = b""
         self._after_cr = False
         #: The learned envelope: an event's bytes through its text's opening
@@ -141,8 +153,6 @@ class FastStream:
         #: The text is ``delta.content`` (chat), else the choice's ``text``.
         self._delta = True
         self._tries = _LEARN_TRIES
-        #: The plain content events of the last read.
-        self._count = 0
 
     @staticmethod
     def build(
@@ -151,16 +161,18 @@ class FastStream:
         guarded: Callable[[list[Any]], list[Any]],
         flush: Callable[[list[Any]], None],
         opened: set[int],
-    ) -> FastStream | None:
-        """The fast path for a stream of ``shape`` under ``guard``, or None
-        where there is none (another shape than the OpenAI relay; ``restore``)."""
+    ) -> FastStream | ObserveStream | None:
+        """The fast path for a stream of ``shape`` under ``guard``
+        (:class:`ObserveStream` when its rules only flag), or None where
+        there is none (another shape than the OpenAI relay; ``restore``)."""
         if type(shape) is not SseRelay or not guard.plain_bytes:
             return None
+        if not guard.changes_text:
+            return ObserveStream(shape, guard, guarded, opened)
         return FastStream(shape, guard, guarded, flush, opened)
 
     def feed(self, data: bytes) -> bytes:
         """``GuardedStream.feed``: take engine bytes; return what the client gets now."""
-        raw = data
         if self._after_cr or b"\r" in data:
             data, self._after_cr = normalize_line_ends(data, self._after_cr)
         pending = self._buffer
@@ -168,7 +180,7 @@ class FastStream:
         cut = buffer.rfind(_EVENT_END)
         if cut < 0:
             self._buffer = buffer
-            return self._relay.feed(raw) if self._passthrough else b""
+            return b""
         self._buffer = buffer[cut + 2 :]
         verdict = self._verdict
         spent = verdict.seconds
@@ -176,23 +188,13 @@ class FastStream:
         out = self._events(buffer, cut)
         # The ordinary path's own timing is part of this read's.
         verdict.seconds = spent + (_clock() - started)
-        if not self._passthrough:
-            return out
-        if self._count >= 0 and b"[DONE]" not in out:
-            # Whole events, each plain content: the relay, which splits as
-            # we do, would send them as they are and keep what we keep.
-            return self._relay.feed_split(out, self._count, self._buffer, self._after_cr)
-        return self._relay.feed(raw)
+        return out
 
     def finish(self) -> bytes:
         """``GuardedStream.finish``: the last event, anything held, the end."""
         rest, self._buffer = self._buffer, b""
         doc = parse_event(rest.rstrip(b"\n"))
-        docs = [] if doc is None else [doc]
-        if self._passthrough:
-            self._guarded(docs)
-            return self._relay.finish()
-        docs = self._guarded(docs)
+        docs = self._guarded([] if doc is None else [doc])
         self._flush(docs)
         out = self._relay.feed_docs(docs) if docs else b""
         return out + self._relay.finish()
@@ -200,10 +202,8 @@ class FastStream:
     def _events(self, buffer: bytes, cut: int) -> bytes:
         """The events of ``buffer[:cut]`` (cut at their blank lines), each
         the fast way or the ordinary way, in order: what the client gets
-        for them (``buffer`` itself when that is all of it as it came, the
-        events counted in ``_count``)."""
+        for them (``buffer`` itself when that is all of it as it came)."""
         guard = self._guard
-        passthrough = self._passthrough
         head, tail = self._head, self._tail
         parts: list[bytes] = []
         slow: list[Any] = []
@@ -232,12 +232,6 @@ class FastStream:
                             continue
                     index = self._index
                     count += 1
-                    if passthrough:
-                        if data:
-                            self._opened.add(index)
-                            guard.note_plain(index, data)
-                        at = end + 2
-                        continue
                     if not data:
                         at = end + 2
                         continue
@@ -267,11 +261,7 @@ class FastStream:
             slow.append(doc)
         if slow:
             parts.append(self._ordinary(slow))
-        if passthrough:
-            # -1: some event was not plain content (the relay must see them).
-            self._count = -1 if parts or slow else count
-        else:
-            self._relay.content_chunks += count
+        self._relay.content_chunks += count
         if not parts and cut + 2 == len(buffer):
             return buffer
         parts.append(buffer[run : cut + 2])
@@ -284,7 +274,7 @@ class FastStream:
         if self._guard.verdict.stopped:
             self._head = b""
             self._tries = 0
-        return b"" if self._passthrough else self._relay.feed_docs(guarded)
+        return self._relay.feed_docs(guarded)
 
     def _ordinary_event(self, event: bytes) -> bytes:
         doc = parse_event(event)
@@ -304,41 +294,299 @@ class FastStream:
         return self._relay.feed_docs([doc])
 
     def _learn(self, event: bytes, doc: Any) -> None:
-        """Take ``event``'s envelope when it is a plain content chunk: one
-        choice, its text only (chat: ``delta`` with ``content``, perhaps
-        ``role``), no ``finish_reason``, ``logprobs``, usage or error, one
-        line, the text written without escapes."""
+        """Take ``event``'s envelope when it is a plain content chunk
+        (:func:`_envelope`)."""
         self._tries -= 1
-        if type(doc) is not dict or "error" in doc or usage_from(doc) is not None:
-            return
-        choices = doc.get("choices")
-        if type(choices) is not list or len(choices) != 1:
-            return
-        choice = choices[0]
-        if type(choice) is not dict or choice.get("finish_reason") or choice.get("logprobs"):
-            return
-        delta = choice.get("delta")
-        if type(delta) is dict:
-            if not (delta.keys() <= _DELTA and choice.keys() <= _CHAT_CHOICE):
-                return
-            holder: dict[str, Any] = delta
-            field, key = "content", b'"content":'
-        elif "delta" not in choice and choice.keys() <= _TEXT_CHOICE:
-            holder = choice
-            field, key = "text", b'"text":'
-        else:
-            return
-        text = holder.get(field)
-        if type(text) is not str or b"\n" in event or event.count(key) != 1:
-            return
-        at = event.index(key) + len(key)
-        while event[at : at + 1] in (b" ", b"\t"):
+        found = _envelope(event, doc)
+        if found is not None:
+            self._head, self._tail, self._index, self._delta = found
+
+
+def _envelope(event: bytes, doc: Any) -> tuple[bytes, bytes, int, bool] | None:
+    """``event``'s envelope when it is a plain content chunk: one choice,
+    its text only (chat: ``delta`` with ``content``, perhaps ``role``), no
+    ``finish_reason``, ``logprobs``, usage or error, one line, the text
+    written without escapes. Returns its bytes through the text's opening
+    quote and from its closing quote on, the choice's index, and whether
+    the text is ``delta.content`` (else the choice's ``text``); None for
+    any other event."""
+    if type(doc) is not dict or "error" in doc or usage_from(doc) is not None:
+        return None
+    choices = doc.get("choices")
+    if type(choices) is not list or len(choices) != 1:
+        return None
+    choice = choices[0]
+    if type(choice) is not dict or choice.get("finish_reason") or choice.get("logprobs"):
+        return None
+    delta = choice.get("delta")
+    if type(delta) is dict:
+        if not (delta.keys() <= _DELTA and choice.keys() <= _CHAT_CHOICE):
+            return None
+        holder: dict[str, Any] = delta
+        field, key = "content", b'"content":'
+    elif "delta" not in choice and choice.keys() <= _TEXT_CHOICE:
+        holder = choice
+        field, key = "text", b'"text":'
+    else:
+        return None
+    text = holder.get(field)
+    if type(text) is not str or b"\n" in event or event.count(key) != 1:
+        return None
+    at = event.index(key) + len(key)
+    while event[at : at + 1] in (b" ", b"\t"):
+        at += 1
+    body = text.encode()
+    start = at + 1
+    stop = start + len(body)
+    if event[at:start] != b'"' or event[start:stop] != body or event[stop : stop + 1] != b'"':
+        return None
+    return event[:start], event[stop:], _index(choice), field == "content"
+
+
+class ObserveStream:
+    """A stream under rules that only flag (``observe``), in front of the
+    OpenAI relay: the client gets exactly what the relay alone sends (the
+    engine's bytes go through :meth:`SseRelay.feed`, as with the guard
+    off), and what the relay sent is kept and read in batches of
+    :data:`OBSERVE_BATCH_BYTES`: each run of plain content events in the
+    learned envelope (as :class:`FastStream` learns it) at once, their
+    texts sliced out and checked in one pass over them all, then queued
+    in one call (:meth:`OutputGuard.note_plain_many`); every other event
+    (the first, the last, usage, ``[DONE]``, tool calls, reasoning, other
+    choices, anything unusual) the ordinary way, in order. So the rules
+    see the same texts in the same pieces and record the same as on the
+    ordinary path, by the answer's end (``[DONE]`` reads what is kept at
+    once: the usage row is written as it is sent).
+
+    Args:
+        relay: the stream's shape.
+        guard: the request's output rules (only flag).
+        guarded: the ordinary path over parsed events (``GuardedStream._guarded``).
+        opened: the choices with text seen (``GuardedStream._open``).
+    """
+
+    __slots__ = (
+        "_guard",
+        "_guarded",
+        "_head",
+        "_index",
+        "_opened",
+        "_pending",
+        "_relay",
+        "_size",
+        "_tail",
+        "_tries",
+        "_verdict",
+    )
+
+    def __init__(
+        self,
+        relay: SseRelay,
+        guard: OutputGuard,
+        guarded: Callable[[list[Any]], list[Any]],
+        opened: set[int],
+    ) -> None:
+        self._relay = relay
+        self._guard = guard
+        self._verdict = guard.verdict
+        self._guarded = guarded
+        self._opened = opened
+        #: What the relay sent, not yet read (whole events), and its size.
+        self._pending: list[bytes] = []
+        self._size = 0
+        #: The learned envelope (``b""``: none yet) and its choice.
+        self._head = b""
+        self._tail = b""
+        self._index = 0
+        self._tries = _LEARN_TRIES
+
+    def feed(self, data: bytes) -> bytes:
+        """``GuardedStream.feed``: take engine bytes; return what the client gets now."""
+        out = self._relay.feed(data)
+        if out:
+            self._pending.append(out)
+            self._size += len(out)
+            # Read at once when the stream is done: its usage row, which
+            # says what was flagged, is written as that end is sent.
+            if self._size >= OBSERVE_BATCH_BYTES or self._relay.done:
+                self._read()
+        return out
+
+    def finish(self) -> bytes:
+        """``GuardedStream.finish``: the relay's end; everything kept read,
+        and the last event the engine did not end with a blank line."""
+        rest = self._relay.finish()
+        if self._pending:
+            self._read()
+        doc = parse_event(rest.rstrip(b"\n"))
+        if doc is not None:
+            verdict = self._verdict
+            spent = verdict.seconds
+            started = _clock()
+            self._guarded([doc])
+            # The ordinary path's own timing is part of this one.
+            verdict.seconds = spent + (_clock() - started)
+        return rest
+
+    def _read(self) -> None:
+        """Read the kept reads (timed as the guard's): the first ones until
+        the envelope is learned, then, when each read from there is one
+        plain content event, all of them at once up to the last such (no
+        split); the others as :meth:`_events` reads them."""
+        verdict = self._verdict
+        spent = verdict.seconds
+        started = _clock()
+        reads, self._pending = self._pending, []
+        self._size = 0
+        count = len(reads)
+        at = 0
+        while at < count and not self._head:
+            self._events(reads[at])
             at += 1
-        body = text.encode()
-        start = at + 1
-        stop = start + len(body)
-        if event[at:start] != b'"' or event[start:stop] != body or event[stop : stop + 1] != b'"':
+        head, tail = self._head, self._tail
+        if head and at < count and reads[at].startswith(head):
+            read = reads[at]
+            end = tail + _EVENT_END
+            stop = count
+            while stop > at and not reads[stop - 1].endswith(end):
+                stop -= 1
+            if stop > at and read.find(_EVENT_END) == len(read) - 2:
+                texts = _plain(reads[at:stop], head, end)
+                if texts is not None:
+                    self._note(texts)
+                    at = stop
+        if at < count:
+            self._events(reads[at] if at == count - 1 else b"".join(reads[at:]))
+        # The ordinary path's own timing is part of this one.
+        verdict.seconds = spent + (_clock() - started)
+
+    def _events(self, batch: bytes) -> None:
+        """The whole events of ``batch``, in order, split at their blank
+        lines: from the first that starts with the learned head through
+        the last that ends with its tail, all at once when each is plain;
+        when not, each stretch of plain-looking ones at once, each other
+        event the ordinary way (parsed, guarded)."""
+        # Events of one line each (as engines write them): split at every
+        # line end (a one-byte split), each event followed by an empty line.
+        lines = batch.split(_NEWLINE)
+        events = lines[::2]
+        if any(lines[1::2]):
+            events = batch.split(_EVENT_END)
+        events.pop()  # what follows the last blank line: nothing
+        count = len(events)
+        whole = True
+        at = 0
+        while at < count:
+            head = self._head
+            if not (head and events[at].startswith(head)):
+                self._ordinary(events[at])
+                at += 1
+                continue
+            tail = self._tail
+            texts = None
+            if whole:
+                # Once a batch: through the last event that ends like a
+                # plain one (the events after it end the stream).
+                whole = False
+                stop = count
+                while stop > at and not events[stop - 1].endswith(tail):
+                    stop -= 1
+                texts = _plain(events[at:stop], head, tail)
+            if texts is None:
+                # Something odd among them: the plain-looking ones before it.
+                stop = at
+                while stop < count and events[stop].startswith(head):
+                    if not events[stop].endswith(tail):
+                        break
+                    stop += 1
+                texts = _plain(events[at:stop], head, tail)
+            if texts is not None:
+                self._note(texts)
+                at = stop
+                continue
+            for event in events[at : max(stop, at + 1)]:
+                self._one(event)
+            at = max(stop, at + 1)
+
+    def _one(self, event: bytes) -> None:
+        """One event that starts with the learned head: the fast way when
+        it is a plain content event, else the ordinary way."""
+        head, tail = self._head, self._tail
+        if event.startswith(head) and event.endswith(tail) and len(event) >= len(head) + len(tail):
+            data = _text(event[len(head) : len(event) - len(tail)])
+            if data is not None:
+                self._note([data])
+                return
+        self._ordinary(event)
+
+    def _ordinary(self, event: bytes) -> None:
+        """One event the ordinary way (parsed, guarded); the envelope
+        learned from it when it is a plain content event."""
+        doc = parse_event(event)
+        if doc is None:
             return
-        self._head, self._tail = event[:start], event[stop:]
-        self._index = _index(choice)
-        self._delta = field == "content"
+        if self._tries > 0:
+            found = _envelope(event, doc)
+            if found is None:
+                # Only events with text use up the tries (a thinking
+                # model's many reasoning events before its answer do not).
+                if b'"content":"' in event or b'"text":"' in event:
+                    self._tries -= 1
+            else:
+                head, tail, index, _ = found
+                self._tail, self._index = tail, index
+                if head.endswith(_ROLE_HEAD):
+                    # The first event, with the role: the next ones are
+                    # the same without it (checked whole when they come).
+                    head = head[: -len(_ROLE_HEAD)] + _CONTENT_HEAD
+                self._head = head
+                # A plain content event: its text as the fast way queues it.
+                self._tries -= 1
+                text = event[len(found[0]) : len(event) - len(tail)]
+                if text:
+                    self._opened.add(index)
+                self._guard.note_plain_many(index, [text])
+                return
+        self._guarded([doc])
+
+    def _note(self, texts: list[bytes]) -> None:
+        """Queue plain events' texts; the envelope is known (learn no more)."""
+        self._tries = 0
+        index = self._index
+        if any(texts):
+            self._opened.add(index)
+        self._guard.note_plain_many(index, texts)
+
+
+def _plain(events: list[bytes], head: bytes, tail: bytes) -> list[bytes] | None:
+    """The texts of ``events`` (UTF-8, as the ordinary path reads them)
+    when each is ``head``, a JSON string's body and ``tail``; else None
+    (also for none). One slice each and one comparison of them all put
+    back together, no search."""
+    if not events:
+        return None
+    start, stop = len(head), -len(tail)
+    bodies = [event[start:stop] for event in events]
+    if head + (tail + head).join(bodies) + tail != b"".join(events):
+        return None
+    return _texts(bodies)
+
+
+def _texts(bodies: list[bytes]) -> list[bytes] | None:
+    """JSON string bodies as the UTF-8 of their texts (as the ordinary
+    path reads them), or None when one is not a valid one on its own (a
+    quote not escaped, a control character, a bad escape, bad UTF-8). Text
+    without escapes is checked in one regex pass over them all (and one
+    decode when not ASCII); text with escapes body by body."""
+    joined = b"".join(bodies)
+    if _PLAIN.fullmatch(joined) is not None:
+        if not joined.isascii():
+            try:
+                # "\n" between them: a character cut between two bodies is
+                # not UTF-8 (each event is read on its own).
+                _NEWLINE.join(bodies).decode()
+            except UnicodeDecodeError:
+                return None
+        return bodies
+    texts = [_text(body) for body in bodies]
+    return None if None in texts else texts  # type: ignore[return-value]

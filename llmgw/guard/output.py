@@ -348,3 +348,42 @@ class OutputGuard:
         self._verdict.note(rule, "block", "output")
         self._verdict.stopped = True
         return out
+
+    # -- observe's batches (llmgw/gateway/guarded_fast.py ObserveStream) --------------
+
+    def note_plain_many(self, index: int, pieces: list[bytes]) -> None:
+        """:meth:`note_plain` for each of ``pieces`` (UTF-8 texts, empty
+        ones allowed) in turn, in one call: the same text queued and the
+        same batches of :data:`FLAG_SCAN_BYTES` scanned, so the same
+        values are recorded; not timed."""
+        # Imported here: this block is observe's own (one call per batch).
+        from bisect import bisect_left
+        from itertools import accumulate
+
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = _Choice()
+        if not self._checks or choice.stopped or not pieces:
+            return
+        total = choice.queued_bytes + sum(map(len, pieces))
+        if total < FLAG_SCAN_BYTES:  # the common case: no scan yet
+            choice.queued += pieces
+            choice.queued_bytes = total
+            return
+        # sums[i]: the bytes queued once pieces[:i] are, counted from the
+        # last scan before them; each scan starts the count again.
+        sums = list(accumulate(map(len, pieces), initial=choice.queued_bytes))
+        count = len(pieces)
+        at = 0
+        scanned = 0
+        while True:
+            cut = bisect_left(sums, scanned + FLAG_SCAN_BYTES, at + 1)
+            if cut > count:
+                choice.queued.extend(pieces[at:])
+                choice.queued_bytes = sums[count] - scanned
+                return
+            choice.queued.extend(pieces[at:cut])
+            choice.queued_bytes = sums[cut] - scanned
+            self._flags(choice, b"")
+            scanned = sums[cut]
+            at = cut

@@ -11,7 +11,7 @@ asks. The result (:class:`Guard`) is cached per settings and list of names.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from typing import ClassVar, Final
 
 import attrs
 import trio
@@ -170,7 +170,9 @@ def build_guard(names: tuple[str, ...], policies: Sequence[GuardPolicy]) -> Guar
 
 class Guards:
     """Compiled guards by list of policy names, for one ``guard`` settings
-    block; a changed block (a live settings change) starts a fresh cache."""
+    block; a changed block (a live settings change) starts a fresh cache.
+    Every :class:`Guards` of the process that sees the same block shares
+    its guards (each compiled once)."""
 
     def __init__(self) -> None:
         self._settings: GuardSettings | None = None
@@ -188,7 +190,7 @@ class Guards:
         None when no policy checks anything."""
         if guard is not self._settings:
             self._settings = guard
-            self._built = {}
+            self._built = _shared_builds(guard)
         names = policy_names(guard, key_id, scope_ids, scope_names)
         if not names:
             return None
@@ -217,7 +219,7 @@ class Guards:
         while True:
             if guard is not self._settings:
                 self._settings = guard
-                self._built = {}
+                self._built = _shared_builds(guard)
             names = policy_names(guard, key_id, scope_ids, scope_names)
             if not names:
                 return None
@@ -239,3 +241,19 @@ class Guards:
             if guard is self._settings:
                 self._keep(names, built)
             return built if built.active else None
+
+
+class _Shared:
+    """The guards built in this process for the last ``guard`` settings
+    block any :class:`Guards` saw."""
+
+    settings: ClassVar[GuardSettings | None] = None
+    built: ClassVar[dict[tuple[str, ...], Guard]] = {}
+
+
+def _shared_builds(guard: GuardSettings) -> dict[tuple[str, ...], Guard]:
+    """The guards built for the block ``guard`` (the same object), shared."""
+    if guard is not _Shared.settings:
+        _Shared.settings = guard
+        _Shared.built = {}
+    return _Shared.built

@@ -164,3 +164,20 @@ async def test_a_guard_is_built_once_off_the_event_loop_for_concurrent_requests(
     assert got[0] is not None
     assert got[0] is got[1] is got[2]
     assert guards.for_request(settings, "k", ("", "", "")) is got[0]
+
+
+async def test_every_guards_of_the_process_shares_the_guards_built_for_one_settings_block() -> None:
+    from llmgw.guard import Guards
+    from llmgw.settings import settings_from_doc
+
+    settings = settings_from_doc({"guard": {"default": ["observe"]}}).guard
+    # Built before serving (as `llmgw bench gateway` does), in another Guards.
+    built = Guards().for_request(settings, "k", ("", "", ""))
+    assert built is not None
+    assert await Guards().for_request_async(settings, "k", ("", "", "")) is built
+    # Another block (a live settings change): built again.
+    changed = settings_from_doc({"guard": {"default": ["observe"]}}).guard
+    again = Guards().for_request(changed, "k", ("", "", ""))
+    assert again is not None
+    assert again is not built
+    assert again.names == built.names
