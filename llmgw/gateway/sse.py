@@ -151,18 +151,6 @@ class SseRelay:
             out.append(b"data: " + orjson.dumps(doc) + _EVENT_END)
         return b"".join(out)
 
-    def feed_split(self, events: bytes, chunks: int, rest: bytes, after_cr: bool) -> bytes:
-        """What :meth:`feed` gives for bytes a caller already split as it
-        would (``GuardedStream``'s fast path): ``events`` whole events,
-        ``chunks`` of them, each a content chunk with no usage, error or
-        ``[DONE]``; ``rest`` the unfinished event after them and
-        ``after_cr`` the line-end state, both as :meth:`feed` would keep
-        them. Returns ``events``."""
-        self._buffer = rest
-        self._after_cr = after_cr
-        self.content_chunks += chunks
-        return events
-
     def finish(self) -> bytes:
         """Whatever is left when the engine closes the stream (the same
         contract as the Anthropic and Responses translators' ``finish``)."""
