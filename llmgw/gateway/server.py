@@ -36,9 +36,11 @@ then whatever is left is cancelled.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
+import select
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -46,7 +48,7 @@ import h11
 import orjson
 import trio
 
-from llmgw.asgi import Message, Receive, Scope, Send
+from llmgw.asgi import WATCH_DISCONNECT, Message, Receive, Scope, Send
 
 from .errors import error_body_on, internal_error
 
@@ -92,6 +94,15 @@ MAX_PIPELINED_BYTES: Final = 64 * 1024
 #: sending and discards what still comes for this long, in seconds, so the
 #: client reads its answer instead of a reset (a lingering close).
 LINGER_S: Final = 2.0
+#: What the disconnect watch waits for on a client's socket: its side
+#: closed (``EPOLLRDHUP``; errors and hang-ups come always), reported once
+#: per arming.
+_HANGUP_EVENTS: Final = select.EPOLLRDHUP | select.EPOLLONESHOT if hasattr(select, "epoll") else 0
+#: The cyclic garbage collector's thresholds once a server listens
+#: (CPython's are 700, 10, 10): a streamed request makes thousands of
+#: short-lived objects, and at 700 the youngest generation was collected
+#: every few requests, promoting requests still in flight (``docs/performance.md``).
+GC_THRESHOLDS: Final = (20_000, 10, 10)
 
 
 class _Refusal(Exception):
@@ -269,6 +280,40 @@ class _Connection:
         self.writes = 0
         #: The answer being sent is chunked (its body framed here, not by h11).
         self.chunked = False
+        #: The server's watch for clients gone (``None``: no ``epoll`` here,
+        #: or no socket), and the cancel scope an app asked it to cancel.
+        self.hangups: _Hangups | None = None
+        self.watched: trio.CancelScope | None = None
+        #: The scope's ``extensions`` (:data:`WATCH_DISCONNECT`), made once.
+        self.extensions: dict[str, Any] | None = None
+
+    def watch_disconnect(self, cancel_scope: trio.CancelScope | None) -> None:
+        """Cancel ``cancel_scope`` if the client goes away (closes or resets
+        its side) from now until this is called with ``None``; at once when
+        it has gone already. For an app that has read the whole request body,
+        instead of a task waiting on ``receive()`` for ``http.disconnect``
+        (:data:`WATCH_DISCONNECT`). Pipelined bytes do not count: they are
+        read after the answer, as before."""
+        if cancel_scope is None:
+            self.watched = None
+            return
+        if self.gone or self.eof:
+            self.gone = True
+            cancel_scope.cancel()
+            return
+        hangups = self.hangups
+        if hangups is not None:
+            self.watched = cancel_scope
+            hangups.arm(self)
+
+    def hung_up(self) -> None:
+        """The client went away (or its socket broke): the connection is
+        gone and the watched cancel scope, if any, cancelled."""
+        self.gone = True
+        scope = self.watched
+        if scope is not None:
+            self.watched = None
+            scope.cancel()
 
     def _h11(self) -> h11.Connection:
         """The h11 connection of the request in hand (one not plain)."""
@@ -352,7 +397,7 @@ class _Connection:
             except BlockingIOError:
                 sent = 0
             except OSError:
-                self.gone = True
+                self.hung_up()
                 return
             if sent == len(data):
                 return
@@ -366,11 +411,11 @@ class _Connection:
                 if stalled.cancelled_caught:
                     # A client that reads nothing: close, which also wakes a
                     # receive() waiting on the socket, so the app is told.
-                    self.gone = True
+                    self.hung_up()
                     await self.stream.aclose()
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            self.gone = True
+            self.hung_up()
 
     async def _wait_for_data(self) -> bool:
         """Wait for the first byte of the next request; False on EOF."""
@@ -539,6 +584,8 @@ class _Connection:
             "client": self.client,
             "server": self.server,
         }
+        if self.extensions is not None:
+            scope["extensions"] = self.extensions
         head = method == "HEAD"
         body_done = False
         body_started: float | None = None
@@ -779,6 +826,7 @@ async def serve_http1(
     host, _, port_text = bind.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     listeners = await trio.open_tcp_listeners(int(port_text), host=host)
+    _settle_heap()
     sockname = listeners[0].socket.getsockname()
     server = (str(sockname[0]), int(sockname[1]))
     connections: set[_Connection] = set()
@@ -796,14 +844,24 @@ async def serve_http1(
         except OSError:
             client = None
         connection = _Connection(stream, app, server, client)
+        if hangups is not None and connection.fd >= 0:
+            connection.hangups = hangups
+            connection.extensions = {WATCH_DISCONNECT: connection.watch_disconnect}
         connections.add(connection)
         try:
             async with stream:
-                await connection.serve(draining, on_idle)
+                try:
+                    await connection.serve(draining, on_idle)
+                finally:
+                    if connection.hangups is not None:
+                        connection.hangups.forget(connection)
         finally:
             connections.discard(connection)
 
+    hangups = _Hangups() if hasattr(select, "epoll") else None
     async with trio.open_nursery() as handler_nursery:
+        if hangups is not None:
+            handler_nursery.start_soon(hangups.serve)
         accepting = trio.CancelScope()
 
         async def accept() -> None:
@@ -822,5 +880,78 @@ async def serve_http1(
         with trio.move_on_after(grace_s):
             await quiet.wait()
         handler_nursery.cancel_scope.cancel()
+    if hangups is not None:
+        hangups.close()
     for listener in listeners:
         await listener.aclose()
+
+
+_heap_settled = False
+
+
+def _settle_heap() -> None:
+    """Once per process, as its first server listens: collect, then move
+    every object loaded so far (modules, settings, the guard's lists) out of
+    the cyclic collector's generations (:func:`gc.freeze`), so a full
+    collection walks only what came later, and set :data:`GC_THRESHOLDS`.
+    Frozen objects are still freed by their reference counts."""
+    global _heap_settled
+    if _heap_settled:
+        return
+    _heap_settled = True
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+class _Hangups:
+    """The server's one watch for clients that go away while their request
+    is answered: an ``epoll`` of its own over the watched sockets
+    (``EPOLLRDHUP``, one-shot, armed per request by
+    :meth:`_Connection.watch_disconnect`), waited on by one task. Costs a
+    request one ``epoll_ctl`` instead of a task reading its socket."""
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        #: Watched sockets' descriptors → their connection.
+        self.connections: dict[int, _Connection] = {}
+
+    def arm(self, connection: _Connection) -> None:
+        """Report ``connection``'s hang-up once (at once when it has happened)."""
+        fd = connection.fd
+        if self.connections.get(fd) is connection:
+            try:
+                self.epoll.modify(fd, _HANGUP_EVENTS)
+                return
+            except FileNotFoundError:
+                pass  # its socket was closed meanwhile (and the fd reused)
+        try:
+            self.epoll.register(fd, _HANGUP_EVENTS)
+        except FileExistsError:
+            self.epoll.modify(fd, _HANGUP_EVENTS)
+        self.connections[fd] = connection
+
+    def forget(self, connection: _Connection) -> None:
+        """Stop watching ``connection`` (before its socket closes)."""
+        fd = connection.fd
+        if self.connections.get(fd) is connection:
+            del self.connections[fd]
+            try:
+                self.epoll.unregister(fd)
+            except OSError:
+                pass  # closed already: the kernel dropped it
+
+    async def serve(self) -> None:
+        """Tell each connection that hangs up, until cancelled."""
+        fileno = self.epoll.fileno()
+        while True:
+            await trio.lowlevel.wait_readable(fileno)
+            for fd, _events in self.epoll.poll(0):
+                connection = self.connections.get(fd)
+                if connection is not None and connection.watched is not None:
+                    connection.hung_up()
+                # Else its request had ended: the connection's own read of
+                # its next request sees the close.
+
+    def close(self) -> None:
+        self.epoll.close()
