@@ -16,6 +16,11 @@ gone; ``send`` takes ``http.response.start`` and ``http.response.body``.
 For a HEAD request the app answers as for GET and the server sends the
 status and headers (Content-Length included) without the body.
 Sending after the client has gone is silently dropped, as hypercorn does.
+On a socket the scope's ``extensions`` carry the server's disconnect watch
+(:data:`llmgw.asgi.WATCH_DISCONNECT`): an app that has read the whole body
+hands it a cancel scope to cancel when the client goes away, instead of a
+task waiting on ``receive()`` (one ``epoll`` and one task per server,
+:class:`_Hangups`).
 An app that raises before it began its answer gets 500 ``internal_error``
 in the path's error shape (:func:`llmgw.gateway.errors.error_body_on`).
 
