@@ -451,16 +451,18 @@ class _Connection:
         while not draining.is_set():
             event: Any = None
             try:
-                if not first:
-                    more = False
-                    with trio.move_on_after(KEEP_ALIVE_TIMEOUT_S) as self.idle_scope:
-                        more = await self._wait_for_data()
-                    self.idle_scope = None
-                    if not more:
-                        return  # closed, idle too long, or closed while idle for a stop
-                with trio.move_on_after(FIRST_REQUEST_TIMEOUT_S) as head_scope:
-                    if first:
-                        self.idle_scope = head_scope
+                # One cancel scope for the idle wait and the head: the keep-
+                # alive timeout until the next request's first byte, then the
+                # head's own from there (a stop cuts only the idle wait, or a
+                # new connection's first head).
+                with trio.move_on_after(
+                    FIRST_REQUEST_TIMEOUT_S if first else KEEP_ALIVE_TIMEOUT_S
+                ) as self.idle_scope:
+                    if not first:
+                        if not await self._wait_for_data():
+                            return  # closed, or closed while idle for a stop
+                        self.idle_scope.deadline = trio.current_time() + FIRST_REQUEST_TIMEOUT_S
+                        self.idle_scope = None
                     event = await self._read_head()
                 self.idle_scope = None
                 if isinstance(event, h11.Request):
