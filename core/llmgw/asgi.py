@@ -4,11 +4,19 @@ engine, the gateway, the admin API, the metrics listener)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Final
 
 import trio
 
-__all__ = ["Message", "Receive", "Scope", "Send", "answer_lifespan", "cancel_on_disconnect"]
+__all__ = [
+    "WATCH_DISCONNECT",
+    "Message",
+    "Receive",
+    "Scope",
+    "Send",
+    "answer_lifespan",
+    "cancel_on_disconnect",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -42,3 +50,12 @@ async def cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> Non
         if message["type"] == "http.disconnect":
             scope.cancel()
             return
+
+
+#: A server's disconnect watch, under this key of the scope's
+#: ``extensions`` where the server has one (llmgw's client port,
+#: ``llmgw.gateway.server``): a callable taking a :class:`trio.CancelScope`
+#: to cancel when the client goes away, and ``None`` to stop watching. It
+#: does what :func:`cancel_on_disconnect` does, for an app that has read the
+#: whole request body, without a task. Absent: use :func:`cancel_on_disconnect`.
+WATCH_DISCONNECT: Final = "llmgw.watch_disconnect"

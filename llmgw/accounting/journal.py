@@ -49,6 +49,7 @@ import math
 import operator
 import os
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +77,10 @@ PROGRESS_S: Final = 0.25
 SYNC_INTERVAL_S: Final = 0.2
 #: The pending-bytes figure that first gets a warning; then each doubling.
 WARN_BYTES: Final = 1 << 20
+#: ... and only once the oldest of those bytes has waited this long, in
+#: seconds: at a few hundred requests a second one flush interval's rows
+#: alone pass :data:`WARN_BYTES` without the writer being behind.
+BEHIND_WARN_S: Final = 10.0
 
 
 #: A row's field names, in their declared order (the payload's key order).
@@ -167,7 +172,13 @@ class UsageJournal:
         OSError: the directory cannot be made or the first segment opened.
     """
 
-    def __init__(self, directory: Path, *, sync_interval_s: float = SYNC_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        sync_interval_s: float = SYNC_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if sync_interval_s < 0:
             raise ValueError(f"sync_interval_s must be 0 or more, not {sync_interval_s}")
         self.directory = directory
@@ -179,6 +190,12 @@ class UsageJournal:
         self._number = 0  # none active yet: every segment found is closed
         existing = self.closed_segments()
         self._closed_bytes = sum(p.stat().st_size for p in existing)
+        self._clock = clock
+        #: Closed segments not yet deleted → when their first byte was
+        #: written (an earlier process's: when this one started), clock seconds.
+        self._since = dict.fromkeys((p.name for p in existing), clock())
+        #: When the active segment's first byte was written (while it has any).
+        self._active_since = 0.0
         self._number = max((int(p.stem) for p in existing), default=0) + 1
         self._file = self._open(self._number)
         #: Segments numbered below this were left by an earlier process.
@@ -255,6 +272,8 @@ class UsageJournal:
             log.error("usage journal write failed: %d rows lost (%s)", rows, exc)
             return
         # The gauge follows at the next commit (a lock per write otherwise).
+        if not self._active_bytes:
+            self._active_since = self._clock()
         self._active_bytes += len(record)
         if not self._unsynced:
             self._unsynced = True
@@ -286,6 +305,8 @@ class UsageJournal:
                 metrics.USAGE_DROPPED.inc(len(group))
                 log.error("usage journal write failed: %d rows lost (%s)", len(group), exc)
             else:
+                if not self._active_bytes:
+                    self._active_since = self._clock()
                 self._active_bytes += len(data)
                 self._update_gauge()
             finally:
@@ -339,6 +360,7 @@ class UsageJournal:
                 # Its rows go to the store next; on the disk first.
                 await trio.to_thread.run_sync(os.fdatasync, old)
             os.close(old)
+            self._since[f"{self._number - 1:012d}{_SUFFIX}"] = self._active_since
             self._closed_bytes += self._active_bytes
             self._active_bytes = 0
             # The streams under way start again in the new segment (with
@@ -346,6 +368,7 @@ class UsageJournal:
             starts = b"".join(encode_start(snapshot()) for snapshot in self._in_flight.values())
             if starts:
                 await trio.to_thread.run_sync(_write_and_sync, self._file, starts)
+                self._active_since = self._clock()
                 self._active_bytes += len(starts)
                 self._update_gauge()
 
@@ -353,6 +376,7 @@ class UsageJournal:
         """Delete a closed segment whose rows are in the store."""
         size = segment.stat().st_size
         segment.unlink()
+        self._since.pop(segment.name, None)
         self._closed_bytes -= size
         self._update_gauge()
 
@@ -360,13 +384,27 @@ class UsageJournal:
         """Close the active segment's file (it stays, for the next start)."""
         os.close(self._file)
 
+    def oldest_s(self) -> float:
+        """How long the oldest byte not yet deleted has waited, in seconds
+        (0 when none waits)."""
+        since = list(self._since.values())
+        if self._active_bytes:
+            since.append(self._active_since)
+        return self._clock() - min(since) if since else 0.0
+
     def _update_gauge(self) -> None:
+        """Set the gauge; warn at :data:`WARN_BYTES` pending and each
+        doubling, once the oldest has waited :data:`BEHIND_WARN_S`."""
         pending = self.pending_bytes
         metrics.USAGE_JOURNAL_BYTES.set(pending)
         if pending >= self._warn_at:
+            waited_s = self.oldest_s()
+            if waited_s < BEHIND_WARN_S:
+                return
             log.warning(
-                "usage journal holds %d bytes not yet in the store (%s)",
+                "usage journal holds %d bytes not yet in the store, the oldest for %.0f s (%s)",
                 pending,
+                waited_s,
                 self.directory,
             )
             self._warn_at *= 2

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from typing import Final
@@ -25,7 +24,7 @@ import trio
 
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant
-from llmgw.asgi import Message, Receive, Scope, Send, cancel_on_disconnect
+from llmgw.asgi import WATCH_DISCONNECT, Message, Receive, Scope, Send, cancel_on_disconnect
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.errors import LlmgwError, Refused, StoreError, describe
@@ -57,11 +56,13 @@ from .parse import (
 )
 from .recording import Recorder
 from .relay import Relay
-from .request import NO_SCOPE, Outcome, Request
+from .request import NO_SCOPE, Outcome, Request, new_request_id
 
 __all__ = ["ROUTES", "Completions"]
 
 log = logging.getLogger("llmgw.gateway")
+
+_NONE: Final[dict[str, object]] = {}
 
 #: Route → the request's kind.
 ROUTES: Final = {
@@ -117,7 +118,7 @@ class Completions:
     async def __call__(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
         """Answer one request of ``kind`` (a value of :data:`ROUTES`)."""
         started = time.perf_counter()
-        request_id = "req_" + secrets.token_hex(12)
+        request_id = new_request_id()
         outcome = Outcome()
         request: Request | None = None
         # What is known of a request refused before it is whole, to record it.
@@ -260,14 +261,23 @@ class Completions:
                 # Kept in the usage journal: a crash cutting it still leaves its row.
                 self._recorder.begin(request, outcome, self._cluster.models)
             refusal: LlmgwError | None = None
+            watch_disconnect = scope.get("extensions", _NONE).get(WATCH_DISCONNECT)
             with trio.CancelScope() as watch:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(cancel_on_disconnect, receive, watch)
+                if watch_disconnect is not None:
+                    # The server's own watch: no task of this request's.
+                    watch_disconnect(watch)
                     try:
                         await self._serve(send_end, scope, settings, request, route, outcome)
-                    except LlmgwError as exc:
-                        refusal = exc  # raised out here, not in a group
-                    nursery.cancel_scope.cancel()
+                    finally:
+                        watch_disconnect(None)
+                else:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(cancel_on_disconnect, receive, watch)
+                        try:
+                            await self._serve(send_end, scope, settings, request, route, outcome)
+                        except LlmgwError as exc:
+                            refusal = exc  # raised out here, not in a group
+                        nursery.cancel_scope.cancel()
             if refusal is not None:
                 raise refusal
             client_left = watch.cancelled_caught

@@ -16,6 +16,11 @@ gone; ``send`` takes ``http.response.start`` and ``http.response.body``.
 For a HEAD request the app answers as for GET and the server sends the
 status and headers (Content-Length included) without the body.
 Sending after the client has gone is silently dropped, as hypercorn does.
+On a socket the scope's ``extensions`` carry the server's disconnect watch
+(:data:`llmgw.asgi.WATCH_DISCONNECT`): an app that has read the whole body
+hands it a cancel scope to cancel when the client goes away, instead of a
+task waiting on ``receive()`` (one ``epoll`` and one task per server,
+:class:`_Hangups`).
 An app that raises before it began its answer gets 500 ``internal_error``
 in the path's error shape (:func:`llmgw.gateway.errors.error_body_on`).
 
@@ -36,9 +41,11 @@ then whatever is left is cancelled.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
+import select
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -46,7 +53,7 @@ import h11
 import orjson
 import trio
 
-from llmgw.asgi import Message, Receive, Scope, Send
+from llmgw.asgi import WATCH_DISCONNECT, Message, Receive, Scope, Send
 
 from .errors import error_body_on, internal_error
 
@@ -92,6 +99,15 @@ MAX_PIPELINED_BYTES: Final = 64 * 1024
 #: sending and discards what still comes for this long, in seconds, so the
 #: client reads its answer instead of a reset (a lingering close).
 LINGER_S: Final = 2.0
+#: What the disconnect watch waits for on a client's socket: its side
+#: closed (``EPOLLRDHUP``; errors and hang-ups come always), reported once
+#: per arming.
+_HANGUP_EVENTS: Final = select.EPOLLRDHUP | select.EPOLLONESHOT if hasattr(select, "epoll") else 0
+#: The cyclic garbage collector's thresholds once a server listens
+#: (CPython's are 700, 10, 10): a streamed request makes thousands of
+#: short-lived objects, and at 700 the youngest generation was collected
+#: every few requests, promoting requests still in flight (``docs/performance.md``).
+GC_THRESHOLDS: Final = (20_000, 10, 10)
 
 
 class _Refusal(Exception):
@@ -267,8 +283,44 @@ class _Connection:
         self.fd = stream.socket.fileno() if isinstance(stream, trio.SocketStream) else -1
         #: Writes done at once since the last trip through the scheduler.
         self.writes = 0
+        #: Reads done at once since the last trip through the scheduler.
+        self.reads = 0
         #: The answer being sent is chunked (its body framed here, not by h11).
         self.chunked = False
+        #: The server's watch for clients gone (``None``: no ``epoll`` here,
+        #: or no socket), and the cancel scope an app asked it to cancel.
+        self.hangups: _Hangups | None = None
+        self.watched: trio.CancelScope | None = None
+        #: The scope's ``extensions`` (:data:`WATCH_DISCONNECT`), made once.
+        self.extensions: dict[str, Any] | None = None
+
+    def watch_disconnect(self, cancel_scope: trio.CancelScope | None) -> None:
+        """Cancel ``cancel_scope`` if the client goes away (closes or resets
+        its side) from now until this is called with ``None``; at once when
+        it has gone already. For an app that has read the whole request body,
+        instead of a task waiting on ``receive()`` for ``http.disconnect``
+        (:data:`WATCH_DISCONNECT`). Pipelined bytes do not count: they are
+        read after the answer, as before."""
+        if cancel_scope is None:
+            self.watched = None
+            return
+        if self.gone or self.eof:
+            self.gone = True
+            cancel_scope.cancel()
+            return
+        hangups = self.hangups
+        if hangups is not None:
+            self.watched = cancel_scope
+            hangups.arm(self)
+
+    def hung_up(self) -> None:
+        """The client went away (or its socket broke): the connection is
+        gone and the watched cancel scope, if any, cancelled."""
+        self.gone = True
+        scope = self.watched
+        if scope is not None:
+            self.watched = None
+            scope.cancel()
 
     def _h11(self) -> h11.Connection:
         """The h11 connection of the request in hand (one not plain)."""
@@ -289,7 +341,27 @@ class _Connection:
         """Read more bytes into :attr:`buf`; False at the client's EOF."""
         if self.eof:
             return False
-        data = await self.stream.receive_some(READ_SIZE)
+        fd = self.fd
+        if fd < 0 or self.gone:
+            data = await self.stream.receive_some(READ_SIZE)
+        else:
+            # Straight from the socket, waiting only when it has nothing (as
+            # the engine side reads): trio's receive_some costs more. Yet a
+            # trip through the scheduler at least every WRITES_BEFORE_YIELD
+            # reads, so a client sending fast cannot starve the others.
+            self.reads += 1
+            if self.reads >= WRITES_BEFORE_YIELD:
+                self.reads = 0
+                await trio.lowlevel.checkpoint()
+            else:
+                await trio.lowlevel.checkpoint_if_cancelled()
+            while True:
+                try:
+                    data = os.read(fd, READ_SIZE)
+                    break
+                except BlockingIOError:
+                    self.reads = 0
+                    await trio.lowlevel.wait_readable(fd)
         if not data:
             self.eof = True
             return False
@@ -352,7 +424,7 @@ class _Connection:
             except BlockingIOError:
                 sent = 0
             except OSError:
-                self.gone = True
+                self.hung_up()
                 return
             if sent == len(data):
                 return
@@ -366,11 +438,11 @@ class _Connection:
                 if stalled.cancelled_caught:
                     # A client that reads nothing: close, which also wakes a
                     # receive() waiting on the socket, so the app is told.
-                    self.gone = True
+                    self.hung_up()
                     await self.stream.aclose()
                     return
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            self.gone = True
+            self.hung_up()
 
     async def _wait_for_data(self) -> bool:
         """Wait for the first byte of the next request; False on EOF."""
@@ -401,16 +473,18 @@ class _Connection:
         while not draining.is_set():
             event: Any = None
             try:
-                if not first:
-                    more = False
-                    with trio.move_on_after(KEEP_ALIVE_TIMEOUT_S) as self.idle_scope:
-                        more = await self._wait_for_data()
-                    self.idle_scope = None
-                    if not more:
-                        return  # closed, idle too long, or closed while idle for a stop
-                with trio.move_on_after(FIRST_REQUEST_TIMEOUT_S) as head_scope:
-                    if first:
-                        self.idle_scope = head_scope
+                # One cancel scope for the idle wait and the head: the keep-
+                # alive timeout until the next request's first byte, then the
+                # head's own from there (a stop cuts only the idle wait, or a
+                # new connection's first head).
+                with trio.move_on_after(
+                    FIRST_REQUEST_TIMEOUT_S if first else KEEP_ALIVE_TIMEOUT_S
+                ) as self.idle_scope:
+                    if not first:
+                        if not await self._wait_for_data():
+                            return  # closed, or closed while idle for a stop
+                        self.idle_scope.deadline = trio.current_time() + FIRST_REQUEST_TIMEOUT_S
+                        self.idle_scope = None
                     event = await self._read_head()
                 self.idle_scope = None
                 if isinstance(event, h11.Request):
@@ -539,6 +613,8 @@ class _Connection:
             "client": self.client,
             "server": self.server,
         }
+        if self.extensions is not None:
+            scope["extensions"] = self.extensions
         head = method == "HEAD"
         body_done = False
         body_started: float | None = None
@@ -779,6 +855,7 @@ async def serve_http1(
     host, _, port_text = bind.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     listeners = await trio.open_tcp_listeners(int(port_text), host=host)
+    _settle_heap()
     sockname = listeners[0].socket.getsockname()
     server = (str(sockname[0]), int(sockname[1]))
     connections: set[_Connection] = set()
@@ -796,14 +873,24 @@ async def serve_http1(
         except OSError:
             client = None
         connection = _Connection(stream, app, server, client)
+        if hangups is not None and connection.fd >= 0:
+            connection.hangups = hangups
+            connection.extensions = {WATCH_DISCONNECT: connection.watch_disconnect}
         connections.add(connection)
         try:
             async with stream:
-                await connection.serve(draining, on_idle)
+                try:
+                    await connection.serve(draining, on_idle)
+                finally:
+                    if connection.hangups is not None:
+                        connection.hangups.forget(connection)
         finally:
             connections.discard(connection)
 
+    hangups = _Hangups() if hasattr(select, "epoll") else None
     async with trio.open_nursery() as handler_nursery:
+        if hangups is not None:
+            handler_nursery.start_soon(hangups.serve)
         accepting = trio.CancelScope()
 
         async def accept() -> None:
@@ -822,5 +909,78 @@ async def serve_http1(
         with trio.move_on_after(grace_s):
             await quiet.wait()
         handler_nursery.cancel_scope.cancel()
+    if hangups is not None:
+        hangups.close()
     for listener in listeners:
         await listener.aclose()
+
+
+_heap_settled = False
+
+
+def _settle_heap() -> None:
+    """Once per process, as its first server listens: collect, then move
+    every object loaded so far (modules, settings, the guard's lists) out of
+    the cyclic collector's generations (:func:`gc.freeze`), so a full
+    collection walks only what came later, and set :data:`GC_THRESHOLDS`.
+    Frozen objects are still freed by their reference counts."""
+    global _heap_settled
+    if _heap_settled:
+        return
+    _heap_settled = True
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+class _Hangups:
+    """The server's one watch for clients that go away while their request
+    is answered: an ``epoll`` of its own over the watched sockets
+    (``EPOLLRDHUP``, one-shot, armed per request by
+    :meth:`_Connection.watch_disconnect`), waited on by one task. Costs a
+    request one ``epoll_ctl`` instead of a task reading its socket."""
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        #: Watched sockets' descriptors → their connection.
+        self.connections: dict[int, _Connection] = {}
+
+    def arm(self, connection: _Connection) -> None:
+        """Report ``connection``'s hang-up once (at once when it has happened)."""
+        fd = connection.fd
+        if self.connections.get(fd) is connection:
+            try:
+                self.epoll.modify(fd, _HANGUP_EVENTS)
+                return
+            except FileNotFoundError:
+                pass  # its socket was closed meanwhile (and the fd reused)
+        try:
+            self.epoll.register(fd, _HANGUP_EVENTS)
+        except FileExistsError:
+            self.epoll.modify(fd, _HANGUP_EVENTS)
+        self.connections[fd] = connection
+
+    def forget(self, connection: _Connection) -> None:
+        """Stop watching ``connection`` (before its socket closes)."""
+        fd = connection.fd
+        if self.connections.get(fd) is connection:
+            del self.connections[fd]
+            try:
+                self.epoll.unregister(fd)
+            except OSError:
+                pass  # closed already: the kernel dropped it
+
+    async def serve(self) -> None:
+        """Tell each connection that hangs up, until cancelled."""
+        fileno = self.epoll.fileno()
+        while True:
+            await trio.lowlevel.wait_readable(fileno)
+            for fd, _events in self.epoll.poll(0):
+                connection = self.connections.get(fd)
+                if connection is not None and connection.watched is not None:
+                    connection.hung_up()
+                # Else its request had ended: the connection's own read of
+                # its next request sees the close.
+
+    def close(self) -> None:
+        self.epoll.close()

@@ -27,10 +27,10 @@ control plane. Everything runs on the trio thread.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
 from typing import Any, Final, Protocol
 
 import attrs
@@ -171,8 +171,7 @@ class Attempt:
             # to the next request, and nothing counts against the endpoint.
             self.endpoint.breaker.abandon()
 
-    @contextlib.contextmanager
-    def waiting_first_byte(self) -> Iterator[None]:
+    def waiting_first_byte(self) -> _WaitingFirstByte:
         """Around the wait for the endpoint's first byte: when the endpoint
         leaves routing meanwhile (:meth:`Endpoint.lose`, or it had already
         left), the wait is cancelled and :class:`EndpointLost` raised, for
@@ -181,17 +180,38 @@ class Attempt:
         Raises:
             EndpointLost: the endpoint left routing before its first byte.
         """
-        endpoint = self.endpoint
-        with trio.CancelScope() as scope:
-            if endpoint.lost:
-                scope.cancel()
-            endpoint.waiting.add(scope)
-            try:
-                yield
-            finally:
-                endpoint.waiting.discard(scope)
+        return _WaitingFirstByte(self.endpoint)
+
+
+class _WaitingFirstByte:
+    """:meth:`Attempt.waiting_first_byte`'s context manager (a class: a
+    generator-based one cost more than the cancel scope it holds, per request)."""
+
+    __slots__ = ("_endpoint", "_scope")
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+        self._scope = trio.CancelScope()
+
+    def __enter__(self) -> None:
+        scope, endpoint = self._scope, self._endpoint
+        scope.__enter__()
+        if endpoint.lost:
+            scope.cancel()
+        endpoint.waiting.add(scope)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        scope, endpoint = self._scope, self._endpoint
+        endpoint.waiting.discard(scope)
+        handled = scope.__exit__(exc_type, exc, traceback)
         if scope.cancelled_caught:
-            raise EndpointLost(endpoint.label)
+            raise EndpointLost(endpoint.label) from None
+        return handled
 
 
 class Router:

@@ -15,6 +15,8 @@ import trio
 
 from llmgw import metrics
 from llmgw.accounting.journal import (
+    BEHIND_WARN_S,
+    WARN_BYTES,
     UsageJournal,
     encode_row,
     read_records,
@@ -366,3 +368,41 @@ async def test_a_flush_records_each_keys_newest_use_in_the_key(store: Store) -> 
     await writer.flush(store)
     [stored] = [k for k in await store.list_keys() if k.id == made]
     assert stored.last_used_at == row(5).created_at
+
+
+async def test_bytes_pending_are_warned_of_only_once_the_oldest_has_waited(
+    tmp_path: Path, sync_s: float, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Past WARN_BYTES but younger than BEHIND_WARN_S (a busy writer between
+    # two flushes): no warning. The store failing until the oldest row has
+    # waited BEHIND_WARN_S: a warning naming the bytes and the wait.
+    now = [100.0]
+    journal = UsageJournal(tmp_path / "j", sync_interval_s=sync_s, clock=lambda: now[0])
+    writer = UsageWriter(journal=journal)
+    failing = FailingStore(store)
+    wide = attrs.evolve(row(0), served_model="x" * 2000)
+    n = 0
+    while journal.pending_bytes < WARN_BYTES:
+        writer.record(attrs.evolve(wide, request_id=f"req_{n:06d}"))
+        await journal.commit()
+        n += 1
+    now[0] += BEHIND_WARN_S - 1
+    await journal.commit()
+    assert journal.oldest_s() == BEHIND_WARN_S - 1
+    assert "not yet in the store" not in caplog.text
+    with pytest.raises(StoreError):
+        await writer.flush(failing)  # type: ignore[arg-type]
+    now[0] += 1
+    writer.record(attrs.evolve(wide, request_id="req_last"))
+    await journal.commit()
+    assert journal.oldest_s() == BEHIND_WARN_S
+    assert f"the oldest for {BEHIND_WARN_S:.0f} s" in caplog.text
+    # Written at last: nothing waits, nothing is old.
+    failing.up = True
+    await journal.commit()
+    await writer.flush(failing)  # type: ignore[arg-type]
+    assert journal.oldest_s() == 0.0  # the last row's segment is the active one
+    await writer.flush(failing)  # type: ignore[arg-type]
+    assert journal.pending_bytes == 0
+    assert journal.oldest_s() == 0.0
+    journal.close()

@@ -432,6 +432,24 @@ async def test_a_head_sent_one_byte_at_a_time_is_cut_at_the_head_timeout(
     assert 0.4 < closed_after < 2.0
 
 
+async def test_an_idle_kept_alive_connection_is_closed_at_the_keep_alive_timeout(
+    edge: Edge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The idle wait and the next head share one cancel scope: idle, the
+    # keep-alive timeout applies (not the head's, set far off here).
+    monkeypatch.setattr(server, "KEEP_ALIVE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(server, "FIRST_REQUEST_TIMEOUT_S", 600.0)
+    stream = await trio.open_tcp_stream("127.0.0.1", edge.port)
+    async with stream:
+        await stream.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        with trio.fail_after(30):
+            assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200")
+        answered = trio.current_time()
+        with trio.fail_after(30):
+            assert await stream.receive_some(65536) == b""
+        assert trio.current_time() - answered >= 0.45
+
+
 async def test_a_client_that_never_reads_is_cut_and_the_app_told(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
