@@ -205,13 +205,14 @@ class _WaitingFirstByte:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         traceback: TracebackType | None,
-    ) -> bool:
+    ) -> None:
         scope, endpoint = self._scope, self._endpoint
         endpoint.waiting.discard(scope)
-        handled = scope.__exit__(exc_type, exc, traceback)
+        # The scope swallows only its own cancellation (its __exit__ is true
+        # then, and also when nothing was raised): that is the loss.
+        scope.__exit__(exc_type, exc, traceback)
         if scope.cancelled_caught:
             raise EndpointLost(endpoint.label) from None
-        return handled
 
 
 class Router:
