@@ -16,6 +16,7 @@ __all__ = [
     "Send",
     "answer_lifespan",
     "cancel_on_disconnect",
+    "while_connected",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -59,3 +60,42 @@ async def cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> Non
 #: does what :func:`cancel_on_disconnect` does, for an app that has read the
 #: whole request body, without a task. Absent: use :func:`cancel_on_disconnect`.
 WATCH_DISCONNECT: Final = "llmgw.watch_disconnect"
+
+
+async def while_connected(
+    scope: Scope, receive: Receive, work: Callable[[], Awaitable[None]]
+) -> bool:
+    """Run ``work`` (a handler that has read the whole request body),
+    cancelled if the client goes away meanwhile: through the server's
+    :data:`WATCH_DISCONNECT` where it offers one, else beside a
+    :func:`cancel_on_disconnect` task.
+
+    Returns:
+        True when the client went away (``work`` was cancelled for it).
+
+    Raises:
+        Exception: what ``work`` raised, as it was (never in a group).
+    """
+    watch_disconnect = scope.get("extensions", _NO_EXTENSIONS).get(WATCH_DISCONNECT)
+    error: Exception | None = None
+    with trio.CancelScope() as watch:
+        if watch_disconnect is not None:
+            watch_disconnect(watch)
+            try:
+                await work()
+            finally:
+                watch_disconnect(None)
+        else:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_on_disconnect, receive, watch)
+                try:
+                    await work()
+                except Exception as exc:
+                    error = exc  # raised out here, not in a group
+                nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return watch.cancelled_caught
+
+
+_NO_EXTENSIONS: Final[dict[str, Any]] = {}

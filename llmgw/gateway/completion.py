@@ -20,11 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-import trio
-
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant
-from llmgw.asgi import WATCH_DISCONNECT, Message, Receive, Scope, Send, cancel_on_disconnect
+from llmgw.asgi import Message, Receive, Scope, Send, while_connected
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.errors import LlmgwError, Refused, StoreError, describe
@@ -61,8 +59,6 @@ from .request import NO_SCOPE, Outcome, Request, new_request_id
 __all__ = ["ROUTES", "Completions"]
 
 log = logging.getLogger("llmgw.gateway")
-
-_NONE: Final[dict[str, object]] = {}
 
 #: Route → the request's kind.
 ROUTES: Final = {
@@ -260,27 +256,11 @@ class Completions:
             if stream:
                 # Kept in the usage journal: a crash cutting it still leaves its row.
                 self._recorder.begin(request, outcome, self._cluster.models)
-            refusal: LlmgwError | None = None
-            watch_disconnect = scope.get("extensions", _NONE).get(WATCH_DISCONNECT)
-            with trio.CancelScope() as watch:
-                if watch_disconnect is not None:
-                    # The server's own watch: no task of this request's.
-                    watch_disconnect(watch)
-                    try:
-                        await self._serve(send_end, scope, settings, request, route, outcome)
-                    finally:
-                        watch_disconnect(None)
-                else:
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(cancel_on_disconnect, receive, watch)
-                        try:
-                            await self._serve(send_end, scope, settings, request, route, outcome)
-                        except LlmgwError as exc:
-                            refusal = exc  # raised out here, not in a group
-                        nursery.cancel_scope.cancel()
-            if refusal is not None:
-                raise refusal
-            client_left = watch.cancelled_caught
+            client_left = await while_connected(
+                scope,
+                receive,
+                functools.partial(self._serve, send_end, scope, settings, request, route, outcome),
+            )
         except LlmgwError as exc:
             error = api_error(exc)
             outcome.finish(error.status)

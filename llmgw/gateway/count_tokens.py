@@ -38,7 +38,7 @@ import orjson
 import trio
 
 from llmgw.accounting.accountant import Accountant
-from llmgw.asgi import Receive, Scope, Send, cancel_on_disconnect
+from llmgw.asgi import Receive, Scope, Send, while_connected
 from llmgw.auth.keys import KeyAuthenticator
 from llmgw.auth.tree import ScopeResolver
 from llmgw.errors import LlmgwError
@@ -142,19 +142,13 @@ class TokenCounter:
                     rate_headers = tuple(accountant.rate_headers(path, time.time()))
                     raise
                 rate_headers = tuple(reservation.headers())
-            refusal: LlmgwError | None = None
             count = 0
-            with trio.CancelScope() as watch:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(cancel_on_disconnect, receive, watch)
-                    try:
-                        count = await self._count(scope, settings, model, key.band, chat)
-                    except LlmgwError as exc:
-                        refusal = exc  # raised out here, not in a group
-                    nursery.cancel_scope.cancel()
-            if refusal is not None:
-                raise refusal
-            if watch.cancelled_caught:
+
+            async def counted() -> None:
+                nonlocal count
+                count = await self._count(scope, settings, model, key.band, chat)
+
+            if await while_connected(scope, receive, counted):
                 return  # the client left: nobody to answer
         except LlmgwError as exc:
             error = api_error(exc)
