@@ -26,6 +26,14 @@ import pytest
 
 STARTUP_TIMEOUT_S = 240.0
 
+#: Marks every process this test run starts (``llmgw up``, its agent, the
+#: engines it starts, which inherit its environment), so that clean-up
+#: kills only this run's engines, never those of a user or of another run
+#: on the same machine that happen to listen in the same port range.
+TEST_RUN_VARIABLE = "LLMGW_TEST_RUN"
+os.environ.setdefault(TEST_RUN_VARIABLE, f"{os.getpid()}-{time.time_ns()}")
+_TEST_RUN_MARK = f"{TEST_RUN_VARIABLE}={os.environ[TEST_RUN_VARIABLE]}".encode()
+
 
 def wait_for(
     predicate: Callable[[], Any], timeout_s: float, what: str, *, interval_s: float = 0.2
@@ -78,10 +86,20 @@ class Procs:
         """The processes whose command line carries ``--port PORT`` (an engine)."""
         return [pid for pid, _, found in cls.with_port() if found == port]
 
+    @staticmethod
+    def started_by_this_run(pid: int) -> bool:
+        """Whether ``pid`` carries this test run's mark in its environment
+        (:data:`TEST_RUN_VARIABLE`)."""
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return _TEST_RUN_MARK in environ
+
     @classmethod
     def engines_in(cls, ports: tuple[int, int], engine: str = "") -> dict[int, int]:
-        """Live engine processes (``llmgw.engines.<engine>…``) listening in
-        ``ports`` (inclusive): pid → port."""
+        """Live engine processes (``llmgw.engines.<engine>…``) of this test
+        run listening in ``ports`` (inclusive): pid → port."""
         module = f"llmgw.engines.{engine}".encode()
         return {
             pid: port
@@ -89,6 +107,7 @@ class Procs:
             if any(a.startswith(module) for a in argv)
             and ports[0] <= port <= ports[1]
             and cls.start_time(pid) is not None
+            and cls.started_by_this_run(pid)
         }
 
     @staticmethod

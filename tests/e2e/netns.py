@@ -65,7 +65,7 @@ IP_TIMEOUT_S: Final = 30.0
 #: Lines of each log printed after a failure.
 LOG_TAIL_LINES: Final = 200
 #: Environment variables a machine's processes inherit from the test.
-_INHERITED: Final = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED")
+_INHERITED: Final = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONHASHSEED", "LLMGW_TEST_RUN")
 
 
 def skip_reason() -> str:
