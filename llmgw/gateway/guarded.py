@@ -236,6 +236,8 @@ class GuardedStream(_InFront):
             choices = doc.get("choices")
             if not isinstance(choices, list):
                 continue
+            #: Choices of this event stopped before it (not sent on).
+            ended: list[Any] = []
             for choice in choices:
                 if not isinstance(choice, dict):
                     continue
@@ -244,10 +246,7 @@ class GuardedStream(_InFront):
                 holder, field = (delta, "content") if isinstance(delta, dict) else (choice, "text")
                 finish = choice.get("finish_reason")
                 if guard.stopped(index) or index in self._cut:
-                    holder.pop(field, None)
-                    if isinstance(delta, dict):
-                        delta.pop("tool_calls", None)
-                    choice["finish_reason"] = None
+                    ended.append(choice)
                     continue
                 text = holder.get(field)
                 stopped = False
@@ -272,6 +271,15 @@ class GuardedStream(_InFront):
                 if stopped:
                     choice["finish_reason"] = CONTENT_FILTER
                     self._open.discard(index)
+            if ended:
+                # A stopped choice's event after its content_filter one is
+                # not sent (its last event stays the one with that reason);
+                # an event left with no choice goes only if it has more.
+                kept = [c for c in choices if not any(c is e for e in ended)]
+                if kept or "usage" in doc:
+                    doc["choices"] = kept
+                else:
+                    out.pop()
         return out
 
     def _tool_args(self, index: int, delta: dict[str, Any], finish: bool) -> bool:

@@ -166,6 +166,9 @@ def test_a_secret_split_over_plain_events_stops_the_choice_with_content_filter()
         assert docs == _run("baseline", data, cuts, fast=False)[0]
         finishes = [doc["choices"][0]["finish_reason"] for doc in docs if doc["choices"]]
         assert finishes.count("content_filter") == 1
+        # The stopped choice's events after it (the engine's own end, with
+        # "stop") are not sent: its last event says content_filter.
+        assert finishes[-1] == "content_filter"
         assert "AKIA" not in json.dumps(docs)
         assert recorded == (
             ["secret:aws_access_key"],
