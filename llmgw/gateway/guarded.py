@@ -236,18 +236,19 @@ class GuardedStream(_InFront):
             choices = doc.get("choices")
             if not isinstance(choices, list):
                 continue
-            #: Choices of this event stopped before it (not sent on).
-            ended: list[Any] = []
+            #: The choices sent on: not those a rule stopped before this event.
+            kept: list[Any] = []
             for choice in choices:
                 if not isinstance(choice, dict):
+                    kept.append(choice)
                     continue
                 index = _index(choice)
                 delta = choice.get("delta")
                 holder, field = (delta, "content") if isinstance(delta, dict) else (choice, "text")
                 finish = choice.get("finish_reason")
                 if guard.stopped(index) or index in self._cut:
-                    ended.append(choice)
                     continue
+                kept.append(choice)
                 text = holder.get(field)
                 stopped = False
                 if isinstance(text, str) and text:
@@ -271,11 +272,10 @@ class GuardedStream(_InFront):
                 if stopped:
                     choice["finish_reason"] = CONTENT_FILTER
                     self._open.discard(index)
-            if ended:
+            if len(kept) < len(choices):
                 # A stopped choice's event after its content_filter one is
                 # not sent (its last event stays the one with that reason);
-                # an event left with no choice goes only if it has more.
-                kept = [c for c in choices if not any(c is e for e in ended)]
+                # an event left with no choice goes only if it has usage.
                 if kept or "usage" in doc:
                     doc["choices"] = kept
                 else:
