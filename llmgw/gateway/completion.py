@@ -55,6 +55,7 @@ from .parse import (
 from .recording import Recorder
 from .relay import Relay
 from .request import NO_SCOPE, Outcome, Request, new_request_id
+from .sse import Usage
 
 __all__ = ["ROUTES", "Completions"]
 
@@ -278,6 +279,10 @@ class Completions:
                 # it (503, a cancellation): what was generated is still
                 # charged and recorded.
                 outcome.finish(499 if client_left else 503)
+                if outcome.usage is None and outcome.replica and request is not None:
+                    # Sent to an engine, cut before any of its answer: the
+                    # engine read the prompt (as estimated) all the same.
+                    outcome.usage = Usage(prompt_tokens=request.prompt_estimate)
             if outcome.finished and not recorded:
                 # Not awaited: a cut answer's row is durable with the next group.
                 self._recorder.record(whole_request(), outcome, self._cluster.models)

@@ -25,6 +25,7 @@ from llmgw.control.cluster import Cluster
 from llmgw.engines.sim.app import SimEngine
 from llmgw.engines.sim.config import SimConfig
 from llmgw.gateway.app import Gateway
+from llmgw.gateway.parse import estimate_prompt_tokens
 from llmgw.gateway.server import serve_http1
 from llmgw.router.endpoint import Endpoint
 from llmgw.store import ModelRecord, Store, open_sqlite_store
@@ -140,6 +141,11 @@ async def test_a_client_that_leaves_before_its_answer_cancels_the_engine_request
     with trio.fail_after(DEADLINE_S):
         while await rows_with_status(port, 499) != 1:  # noqa: ASYNC110 (the store, polled)
             await trio.sleep(0.05)
+    # The engine had the prompt: it is charged (as estimated), nothing more.
+    (row,) = [row for row in await port.store.list_usage(last=100) if row.status == 499]
+    prompt = estimate_prompt_tokens({**CHAT, "stream": stream}, "chat", bytes_per_token=4)
+    assert prompt > 0
+    assert (row.prompt_tokens, row.completion_tokens) == (prompt, 0)
 
 
 async def test_a_client_that_left_while_its_request_was_read_is_cancelled_at_once(
