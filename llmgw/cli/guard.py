@@ -12,10 +12,12 @@ from llmgw.admin.client import AdminClient
 
 from .options import data_dir_option, json_option, print_json
 
-__all__ = ["CHECK_TIMEOUT_S", "ctl_guard"]
+__all__ = ["CHECK_TIMEOUT_S", "FAILING_VERDICTS", "ctl_guard"]
 
 #: The longest ``ctl guard judge check`` waits for its answer, seconds.
 CHECK_TIMEOUT_S = 900.0
+#: The verdicts of a judge that cannot serve as it is: the check exits 1.
+FAILING_VERDICTS = frozenset({"too slow", "unreadable"})
 
 
 @click.group("guard")
@@ -47,6 +49,8 @@ def judge_check(data_dir: Path, model: str | None, policy: str | None, as_json: 
 
     It changes nothing: it suggests more cores, a GPU judge, a longer
     latency_budget or fail: open when the judge is tight or too slow.
+    Exits 1 when the verdict is "too slow" or "unreadable", 0 for "ok" and
+    "tight".
     """
     body: dict[str, Any] = {}
     if model:
@@ -62,7 +66,13 @@ def judge_check(data_dir: Path, model: str | None, policy: str | None, as_json: 
     )
     if as_json:
         print_json(doc)
-        return
+    else:
+        _print_check(doc)
+    if doc["verdict"] in FAILING_VERDICTS:
+        raise SystemExit(1)
+
+
+def _print_check(doc: dict[str, Any]) -> None:
     alone = "/".join(_seconds(s) for s in doc["alone_s"])
     slowest = [s for s in doc["burst_s"] if s is not None]
     burst = f"{max(slowest):.1f} s" if slowest else "no verdict"

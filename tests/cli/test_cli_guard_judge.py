@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Any
 
 import trio
@@ -74,11 +75,15 @@ async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
         assert doc["unreadable"] == 0
 
         # Answers in time, but none a verdict: said so, not "too slow".
-        doc = await running.json("ctl", "guard", "judge", "check", "--model", "chatty")
+        # Such a judge cannot serve: the check exits 1 (scripts can tell).
+        result = await running.run("ctl", "guard", "judge", "check", "--model", "chatty", "--json")
+        assert result.exit_code == 1
+        doc = json.loads(result.output)
         assert (doc["verdict"], doc["unreadable"]) == ("unreadable", 7)
         assert "'qwen3guard' format" in doc["advice"][0]
-        text = await running.ok("ctl", "guard", "judge", "check", "--model", "chatty")
-        assert "7 of 7 replies held no verdict in the judge's format" in text
+        result = await running.run("ctl", "guard", "judge", "check", "--model", "chatty")
+        assert result.exit_code == 1
+        assert "7 of 7 replies held no verdict in the judge's format" in result.output
 
         # A policy's judge with a 1 s budget: 0.7 s a judgment is over half of it.
         running.cluster.apply_settings(
@@ -93,9 +98,12 @@ async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
                 }
             )
         )
-        text = await running.ok("ctl", "guard", "judge", "check")
+        result = await running.run("ctl", "guard", "judge", "check")
+        text = result.output
         assert "judge judge-slow: alone" in text
-        assert "budget 1 s: tight" in text or "budget 1 s: too slow" in text
+        assert ("budget 1 s: tight" in text and result.exit_code == 0) or (
+            "budget 1 s: too slow" in text and result.exit_code == 1
+        )
         assert "latency_budget" in text
         # Another model named: its own policy's settings, else the defaults,
         # never the first policy's judge's.
@@ -127,7 +135,11 @@ async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
             return plan(*args)
 
         mute._plan = counted  # type: ignore[method-assign,assignment]
-        doc = await running.json("ctl", "guard", "judge", "check", "--model", "judge-mute")
+        result = await running.run(
+            "ctl", "guard", "judge", "check", "--model", "judge-mute", "--json"
+        )
+        assert result.exit_code == 1
+        doc = json.loads(result.output)
         assert doc["verdict"] == "too slow"
         assert doc["alone_s"] == [None, None, None]
         assert doc["burst_s"] == [None, None, None, None]

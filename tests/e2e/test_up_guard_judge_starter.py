@@ -143,8 +143,9 @@ def test_the_starter_model_judges_prompts_and_the_check_times_it(
         timeout=300,
         check=False,
     )
-    assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
+    # 1 for a judge that cannot serve as it is (too slow, unreadable).
+    assert result.returncode == (1 if doc["verdict"] in ("too slow", "unreadable") else 0)
     assert doc["model"] == MODEL
     assert doc["budget_s"] == 60
     assert len(doc["alone_s"]) == 3
