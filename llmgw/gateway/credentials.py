@@ -33,7 +33,8 @@ async def authenticate(authenticator: KeyAuthenticator, scope: Scope) -> KeyReco
             value = b"Bearer " + value
     if not value:
         raise unauthorized(
-            "You didn't provide an API key. Send it as 'Authorization: Bearer sk-llmgw-…'."
+            "You didn't provide an API key. Send it as 'Authorization: Bearer sk-llmgw-…' "
+            "(or 'x-api-key: sk-llmgw-…', as Anthropic's clients do)."
         )
     scheme, _, secret = value.decode("latin-1").partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():

@@ -256,6 +256,9 @@ async def test_errors_take_the_routes_shape_and_are_recorded(rig: Rig) -> None:
     got = await rig.call("POST", "/v1/chat/completions", chat, headers=[])
     assert got.status == 401
     assert got.json()["error"]["code"] == "invalid_api_key"
+    # Both ways of sending a key are named (Anthropic's clients use x-api-key).
+    assert "Authorization: Bearer" in got.json()["error"]["message"]
+    assert "x-api-key" in got.json()["error"]["message"]
     got = await rig.call(
         "POST", "/v1/chat/completions", chat, headers=[(b"authorization", b"Bearer sk-llmgw-no")]
     )
