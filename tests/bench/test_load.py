@@ -23,7 +23,7 @@ from llmgw.bench.response import (
     ResponseParser,
     StreamScanner,
 )
-from llmgw.bench.results import LoadResult, Percentiles
+from llmgw.bench.results import LoadResult, Percentiles, format_result
 from llmgw.engines.testing import open_sim
 
 KEY = "k" * 32
@@ -581,3 +581,33 @@ def test_command_wants_one_shape_of_load() -> None:
         result = runner.invoke(load_command, ["--url", "http://127.0.0.1:9", *extra])
         assert result.exit_code == 2
         assert "--concurrency" in result.output
+
+
+@pytest.mark.parametrize(
+    ("requests_per_s", "tokens_per_s", "shown"),
+    [
+        (0.05, 3.2, "rate       0.05 requests/s, 3.2 tokens/s"),
+        (12.345, 790.4, "rate       12.3 requests/s, 790 tokens/s"),
+        (1234.4, 78_999.6, "rate       1234 requests/s, 79000 tokens/s"),
+    ],
+)
+def test_the_table_shows_a_small_rate_instead_of_zero(
+    requests_per_s: float, tokens_per_s: float, shown: str
+) -> None:
+    # A closed loop against a key limited to 6 requests a minute showed
+    # "rate 0.0 requests/s".
+    none = Percentiles.of([])
+    result = LoadResult(
+        requests=1,
+        errors=0,
+        error_samples=(),
+        duration_s=20.0,
+        requests_per_s=requests_per_s,
+        tokens_per_s=tokens_per_s,
+        ttft_ms=none,
+        total_ms=none,
+        itl_ms=none,
+        concurrency=1,
+        rate_per_s=None,
+    )
+    assert shown in format_result(result).splitlines()

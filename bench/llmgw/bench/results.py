@@ -210,6 +210,12 @@ class Tally:
             self.samples.append(what)
 
 
+def _figure(value: float) -> str:
+    """Whole from 100 up, else three significant digits (1234, 56.7, 0.05):
+    a closed loop against a tight limit still shows its small rate."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def format_result(result: LoadResult) -> str:
     """A short plain-text table of ``result``."""
     shape = (
@@ -221,7 +227,8 @@ def format_result(result: LoadResult) -> str:
         f"load       {shape}, {result.duration_s:g} s measured",
         f"requests   {result.requests} ok, {result.errors} errors"
         + (f" ({', '.join(result.error_samples)})" if result.error_samples else ""),
-        f"rate       {result.requests_per_s:.1f} requests/s, {result.tokens_per_s:.0f} tokens/s",
+        f"rate       {_figure(result.requests_per_s)} requests/s, "
+        f"{_figure(result.tokens_per_s)} tokens/s",
         f"{'':10} {'p50':>9} {'p95':>9} {'p99':>9} {'mean':>9}",
     ]
     for name, p in (("TTFT", result.ttft_ms), ("total", result.total_ms), ("ITL", result.itl_ms)):
