@@ -15,7 +15,10 @@ bench gateway --mode MODE`` (from that checkout's ``.venv``) pinned to core
 ``--rate`` requests/s (open loop) or ``--concurrency`` streams for
 ``--duration-s``; the gateway's CPU (``/proc/PID/stat``, user + system, its
 threads and children) over the whole load run is divided by its requests.
-``--direct`` also runs the engine alone each round. Prints one JSON line per
+``--direct`` also runs the engine alone each round, in the alternation
+(first in one round, last in the next), and prints each system's share of
+the engine's speed: the engine alone's mean whole-answer time over the
+system's, per round, and their median. Prints one JSON line per
 run and a summary (``after / before`` of the summed CPU per request, per
 pair). ``--engine-url URL --engine-key KEY --model NAME`` put the gateways
 in front of an engine already running instead (a real one, e.g. the
@@ -35,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -132,11 +136,14 @@ def main() -> None:
             engine_url = args.engine_url
         print(json.dumps({"engine": engine_url, "load": os.getloadavg()}), flush=True)
         for round_ in range(args.rounds):
-            order = systems if round_ % 2 == 0 else systems[::-1]
-            runs: list[tuple[str, Path | None, str]] = (
-                [("engine alone", None, "")] if args.direct else []
-            )
-            for name, root, mode in [*runs, *order]:
+            # The engine alone takes its turn in the alternation too, so a
+            # drift of the machine within a round favours no system.
+            runs: list[tuple[str, Path | None, str]] = [
+                *([("engine alone", None, "")] if args.direct else []),
+                *systems,
+            ]
+            order = runs if round_ % 2 == 0 else runs[::-1]
+            for name, root, mode in order:
                 rows.append(_run(name, root, mode, round_, engine_pid, engine_url, llmgw, args))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -152,6 +159,26 @@ def main() -> None:
         pairs = [round(b / a, 3) for a, b in zip(sums[first], sums[second], strict=False)]
         ratio = sum(sums[second]) / sum(sums[first])
         print(json.dumps({f"{second} / {first}": round(ratio, 3), "pairs": pairs}))
+    if args.direct:
+        print(json.dumps(_through_direct(rows)))
+
+
+def _through_direct(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per system, each round's mean whole-answer time of the engine alone
+    over its own (the share of the engine's speed it keeps: 1.0 is the
+    engine's), and their median."""
+    direct = {r["round"]: r["total_ms"]["mean"] for r in rows if r["system"] == "engine alone"}
+    shares: dict[str, list[float]] = {}
+    for row in rows:
+        if row["system"] != "engine alone" and row["round"] in direct and row["total_ms"]["mean"]:
+            share = direct[row["round"]] / row["total_ms"]["mean"]
+            shares.setdefault(row["system"], []).append(round(share, 3))
+    return {
+        "through / direct (whole-answer time)": {
+            name: {"median": statistics.median(values), "rounds": values}
+            for name, values in shares.items()
+        }
+    }
 
 
 def _run(
