@@ -14,8 +14,9 @@ the engine's later text for it is dropped, its usage still counted.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 import orjson
 import trio
@@ -33,6 +34,8 @@ from .chat_stream import DONE, ChatChunkReader
 from .guarded_fast import FastStream, ObserveStream
 from .sse import SseRelay, Usage
 from .upstream import UpstreamError
+
+_R = TypeVar("_R")
 
 __all__ = [
     "UNAVAILABLE",
@@ -137,6 +140,19 @@ class _InFront:
         return self._shape.done
 
 
+def _weakly(method: Callable[[list[Any]], _R]) -> Callable[[list[Any]], _R]:
+    """``method`` called through a weak reference to its object."""
+    ref = weakref.WeakMethod(method)
+
+    def call(docs: list[Any]) -> _R:
+        bound = ref()
+        if bound is None:  # the stream is gone: nothing calls this then
+            raise RuntimeError("the guarded stream is gone")
+        return bound(docs)
+
+    return call
+
+
 class GuardedStream(_InFront):
     """A stream's shape behind the output rules (module docstring); the
     relay's ``_StreamShape``."""
@@ -164,8 +180,12 @@ class GuardedStream(_InFront):
         # -- the fast path (guarded_fast.py): plain content events in bytes
         fast = self._fast
         if fast is None:
+            # Handed weakly: the fast path held by this stream holding this
+            # stream's methods would make a reference cycle per request,
+            # left to the cyclic collector (pauses of 10 ms and more under
+            # load, docs/performance.md).
             built = FastStream.build(
-                self._shape, self._guard, self._guarded, self._flush, self._open
+                self._shape, self._guard, _weakly(self._guarded), _weakly(self._flush), self._open
             )
             fast = self._fast = built if built is not None else False
             if fast:
