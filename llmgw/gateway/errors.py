@@ -97,7 +97,9 @@ class ApiError(errors.LlmgwError):
 def api_error(exc: errors.LlmgwError) -> ApiError:
     """The answer to ``exc``, as :class:`ApiError`:
 
-    - an :class:`ApiError` as it is;
+    - an :class:`ApiError` as it is, less its traceback (the handler that
+      answers it keeps it in a local, and a traceback holding that frame
+      would make a reference cycle per error answered);
     - :class:`llmgw.errors.Refused` (a key refused, a limit or budget, the
       admission queue's wait, no replica ready): its ``status``, ``type``,
       ``code`` and message, with ``Retry-After`` (at least 1 s) when it
@@ -110,7 +112,7 @@ def api_error(exc: errors.LlmgwError) -> ApiError:
     - anything else: 500 ``internal_error``.
     """
     if isinstance(exc, ApiError):
-        return exc
+        return exc.with_traceback(None)
     if isinstance(exc, errors.Refused):
         retry_after_s = exc.retry_after_s
         return ApiError(

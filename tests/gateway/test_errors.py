@@ -183,3 +183,14 @@ def test_anthropics_paths_are_its_own_and_every_one_below_it(
     else:
         assert doc["error"]["code"] == "internal_error"
     assert orjson.loads(error_body_for(internal_error(), "count_tokens"))["type"] == "error"
+
+
+def test_an_api_error_answered_holds_no_traceback() -> None:
+    # The handler keeps the error in a local while it answers: a traceback
+    # holding that frame made a reference cycle per error answered.
+    try:
+        raise unauthorized("No key.")
+    except errors.LlmgwError as exc:
+        error = api_error(exc)
+    assert error.__traceback__ is None
+    assert (error.status, error.code) == (401, "invalid_api_key")
