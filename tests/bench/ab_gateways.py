@@ -45,29 +45,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmgw.bench.overhead import cpu_s
+
 ENGINE_KEY = "sk-bench-engine"
 MODEL = "bench-model"
 #: Seconds any one step (a start, a load run) may take.
 STEP_TIMEOUT_S = 120.0
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its children, recursively."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        for child in children.read_text().split():
-            try:
-                total += _cpu_s(int(child))
-            except FileNotFoundError:
-                pass
-    return total
-
-
 def _engine_cpu_s(pid: int) -> float:
     """The engine's CPU seconds; 0 when its pid is not known (an outside engine)."""
-    return _cpu_s(pid) if pid else 0.0
+    return cpu_s(pid, tree=True) if pid else 0.0
 
 
 def _pinned(core: int, argv: list[str]) -> list[str]:
@@ -219,13 +207,13 @@ def _run(
                     stderr=subprocess.DEVNULL,
                 )
             before, engine_before, started = (
-                _cpu_s(gateway.pid),
+                cpu_s(gateway.pid, tree=True),
                 _engine_cpu_s(engine_pid),
                 time.time(),
             )
             result = _load(llmgw, url, info["key"], args, args.duration_s)
             wall = time.time() - started
-            gateway_cpu = _cpu_s(gateway.pid) - before
+            gateway_cpu = cpu_s(gateway.pid, tree=True) - before
             if profiler is not None:
                 profiler.wait(timeout=STEP_TIMEOUT_S)
         finally:

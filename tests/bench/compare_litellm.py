@@ -57,7 +57,7 @@ import orjson
 import trio
 
 from llmgw.bench.load import LoadConfig, run_load
-from llmgw.bench.overhead import _argv, _cpu_s, start_bench_gateway, start_sim_engine
+from llmgw.bench.overhead import _argv, cpu_s, start_bench_gateway, start_sim_engine
 from llmgw.bench.results import LoadResult
 from llmgw.engines.testing import stop_process
 
@@ -254,7 +254,7 @@ def tree_cpu_s(pid: int) -> float:
     total = 0.0
     for each in _descendants(pid):
         try:
-            total += _cpu_s(each)
+            total += cpu_s(each)
         except (OSError, IndexError, ValueError):
             pass
     return total
@@ -450,12 +450,12 @@ async def measure(
         await trio.sleep(warmup_s)
         window["t0"] = time.monotonic()
         window["sut0"] = tree_cpu_s(sut_pid) if sut_pid is not None else 0.0
-        window["eng0"] = _cpu_s(engine_pid)
+        window["eng0"] = cpu_s(engine_pid)
         window["gen0"] = time.process_time()
         await trio.sleep(duration_s)
         window["t1"] = time.monotonic()
         window["sut1"] = tree_cpu_s(sut_pid) if sut_pid is not None else 0.0
-        window["eng1"] = _cpu_s(engine_pid)
+        window["eng1"] = cpu_s(engine_pid)
         window["gen1"] = time.process_time()
         window["rss"] = tree_rss_mib(sut_pid) if sut_pid is not None else 0.0
 

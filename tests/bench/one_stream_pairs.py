@@ -43,22 +43,10 @@ from typing import Any
 
 import httpx
 
+from llmgw.bench.overhead import cpu_s
+
 #: Seconds a request, or a gateway's start, may take.
 STEP_TIMEOUT_S = 120.0
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its children, recursively."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        for child in children.read_text().split():
-            try:
-                total += _cpu_s(int(child))
-            except FileNotFoundError:
-                pass
-    return total
 
 
 def _one(client: httpx.Client, url: str, key: str, body: dict[str, Any]) -> tuple[float, int]:
@@ -154,14 +142,14 @@ def _cycles(
                 else:
                     gateway, url, key = gateways[name]
                     pid = gateway.pid
-                cpu_before = _cpu_s(pid) if pid else 0.0
+                cpu_before = cpu_s(pid, tree=True) if pid else 0.0
                 seconds, events = _one(client, url, key, body)
                 row = {
                     "cycle": cycle,
                     "system": name,
                     "seconds": round(seconds, 4),
                     "events": events,
-                    "gateway_cpu_s": round(_cpu_s(pid) - cpu_before, 4) if pid else None,
+                    "gateway_cpu_s": round(cpu_s(pid, tree=True) - cpu_before, 4) if pid else None,
                     "load_average": os.getloadavg()[0],
                 }
                 rows.append(row)
@@ -186,13 +174,13 @@ def _summary(rows: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
             continue
         quartiles = statistics.quantiles(shares, n=4) if len(shares) > 1 else [shares[0]] * 3
         events = sum(r["events"] for r in mine)
-        cpu_s = sum(r["gateway_cpu_s"] or 0.0 for r in mine)
+        spent_s = sum(r["gateway_cpu_s"] or 0.0 for r in mine)
         out[name] = {
             "requests": len(shares),
             "share_median": round(statistics.median(shares), 4),
             "share_quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)],
             "share_mean": round(statistics.fmean(shares), 4),
-            "gateway_ms_per_event": round(cpu_s / events * 1000, 4) if events else None,
+            "gateway_ms_per_event": round(spent_s / events * 1000, 4) if events else None,
         }
     return {"share of the engine alone's speed, request by request": out}
 

@@ -40,8 +40,8 @@ from .overhead import (
     MODEL,
     _argv,
     _cores,
-    _cpu_s,
     _start,
+    cpu_s,
     start_sim_engine,
 )
 from .results import LoadResult
@@ -193,9 +193,9 @@ async def _through_llmgw(
             # Primed first (not counted): a fresh process's first requests
             # pay for its lazy set-up (the guard's patterns, the store).
             await run_load(attrs.evolve(load, duration_s=PRIME_S, warmup_s=0.0))
-            before = _cpu_s(process.pid)
+            before = cpu_s(process.pid)
             result = await run_load(load)
-            spent = _cpu_s(process.pid) - before
+            spent = cpu_s(process.pid) - before
         finally:
             await stop_process(process)
     # The CPU of the whole load run (warm-up and tail too) against the

@@ -61,6 +61,7 @@ __all__ = [
     "DEFAULT_WARMUP_S",
     "SATURATION_CONCURRENCY",
     "OverheadRow",
+    "cpu_s",
     "run_overhead",
     "start_bench_gateway",
     "start_sim_engine",
@@ -225,10 +226,24 @@ async def _start(argv: list[str], env: dict[str, str]) -> tuple[trio.Process, st
     return process, line
 
 
-def _cpu_s(pid: int) -> float:
+def cpu_s(pid: int, *, tree: bool = False) -> float:
+    """User + system CPU seconds of process ``pid`` (``/proc``, all its
+    threads); with ``tree``, of the processes under it too (a child gone
+    meanwhile counts 0).
+
+    Raises:
+        FileNotFoundError: no process ``pid``.
+    """
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    if tree and children.exists():
+        for child in children.read_text().split():
+            try:
+                total += cpu_s(int(child), tree=True)
+            except FileNotFoundError:
+                pass
+    return total
 
 
 async def start_sim_engine(
@@ -395,19 +410,19 @@ async def run_overhead(
                     if mode in saturated:
                         continue
                     process, info = gateways[mode]
-                    before = _cpu_s(process.pid)
+                    before = cpu_s(process.pid)
                     through = await run_load(load(f"http://{info['listen']}", info["key"], rate))
-                    measured.append((mode, through, _cpu_s(process.pid) - before))
+                    measured.append((mode, through, cpu_s(process.pid) - before))
                 direct_after = await run_load(load(engine_url, engine_key, rate))
                 if engine_saturated(direct_after, rate):
                     break  # this rate's rows would compare against a saturated engine
-                for mode, through, cpu_s in measured:
+                for mode, through, spent_s in measured:
                     row = OverheadRow(
                         mode=mode,
                         rate_per_s=rate,
                         direct=direct,
                         through=through,
-                        gateway_cpu_s=cpu_s,
+                        gateway_cpu_s=spent_s,
                         direct_after=direct_after,
                         warmup_s=warmup_s,
                     )
