@@ -36,7 +36,11 @@ def _rate(per_s: float) -> str:
 
 
 def _seconds(value: float | None) -> str:
-    return "no verdict" if value is None else f"{value:.1f} s"
+    """One decimal from 1 s up, else two significant digits (2.4 s,
+    0.055 s): a judge answering in 55 ms under a 0.1 s budget shows it."""
+    if value is None:
+        return "no verdict"
+    return f"{value:.1f} s" if value >= 1 else f"{value:.2g} s"
 
 
 @judge.command("check")
@@ -75,7 +79,7 @@ def judge_check(data_dir: Path, model: str | None, policy: str | None, as_json: 
 def _print_check(doc: dict[str, Any]) -> None:
     alone = "/".join(_seconds(s) for s in doc["alone_s"])
     slowest = [s for s in doc["burst_s"] if s is not None]
-    burst = f"{max(slowest):.1f} s" if slowest else "no verdict"
+    burst = _seconds(max(slowest)) if slowest else "no verdict"
     click.echo(
         f"judge {doc['model']}: alone {alone}, slowest of 4 concurrent {burst}, "
         f"≈ {_rate(doc['judgments_per_s'])} judgments/s "

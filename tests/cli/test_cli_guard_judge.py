@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 
+from llmgw.cli.guard import _seconds
 from llmgw.engines.sim.app import SimEngine
 from llmgw.engines.sim.config import SimConfig
 from llmgw.gateway.server import serve_http1
@@ -149,3 +150,14 @@ async def test_judge_check_times_the_judge_and_says_whether_the_budget_holds(
         assert result.exit_code != 0
         assert "No model 'nope'" in result.output
         stop.set()
+
+
+def test_judgment_times_under_a_second_keep_two_digits() -> None:
+    # "alone 0.1 s/0.1 s/0.1 s … budget 0.1 s: tight" hid a 55 ms judge.
+    assert [_seconds(s) for s in (2.44, 1.0, 0.055, 0.71, None)] == [
+        "2.4 s",
+        "1.0 s",
+        "0.055 s",
+        "0.71 s",
+        "no verdict",
+    ]
