@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Final
 
+import trio
+
 from llmgw import metrics
 from llmgw.accounting.accountant import Accountant
 from llmgw.asgi import Message, Receive, Scope, Send, while_connected
@@ -40,6 +42,7 @@ from .errors import (
     bad_request,
     error_body_for,
     model_not_found,
+    shutting_down,
     system_stopped,
 )
 from .guarded import PromptJudge
@@ -57,7 +60,10 @@ from .relay import Relay
 from .request import NO_SCOPE, Outcome, Request, new_request_id
 from .sse import Usage
 
-__all__ = ["ROUTES", "Completions"]
+__all__ = ["CUT_ANSWER_S", "ROUTES", "Completions"]
+
+#: The longest the 503 to a request cut by the stop's grace may take to send, seconds.
+CUT_ANSWER_S: Final = 1.0
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -126,6 +132,7 @@ class Completions:
         rate_headers: tuple[tuple[bytes, bytes], ...] = ()
         client_left = False
         recorded = False
+        answering = False  # the answer's head has gone
 
         def whole_request() -> Request:
             return request or Request(
@@ -142,7 +149,9 @@ class Completions:
             # The body message that carries the end of the answer (the relay
             # finishes the outcome just before it) waits until the usage row
             # is durable: a client that has its whole answer has its row.
-            nonlocal recorded
+            nonlocal recorded, answering
+            if message["type"] == "http.response.start":
+                answering = True
             if (
                 not recorded
                 and outcome.finished
@@ -262,6 +271,21 @@ class Completions:
                 receive,
                 functools.partial(self._serve, send_end, scope, settings, request, route, outcome),
             )
+        except trio.Cancelled:
+            # The stop's grace ran out (a client that left is not this: its
+            # request returns). A stream under way was told by the relay;
+            # a request not yet answered gets a 503 rather than a dropped
+            # connection.
+            if not answering:
+                error = shutting_down()
+                with trio.CancelScope(shield=True), trio.move_on_after(CUT_ANSWER_S):
+                    await answer(
+                        send,
+                        error.status,
+                        error_body_for(error, kind),
+                        (*error.headers, *rate_headers, (b"x-request-id", request_id.encode())),
+                    )
+            raise
         except LlmgwError as exc:
             error = api_error(exc)
             outcome.finish(error.status)

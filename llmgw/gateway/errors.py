@@ -40,6 +40,7 @@ __all__ = [
     "error_body_on",
     "internal_error",
     "is_anthropic_path",
+    "shutting_down",
     "store_unavailable",
     "system_stopped",
     "unauthorized",
@@ -245,6 +246,18 @@ def model_not_found(name: str) -> ApiError:
     """404 ``model_not_found``: no model or alias is called ``name``."""
     return ApiError(
         404, f"The model '{name}' does not exist", code="model_not_found", param="model"
+    )
+
+
+def shutting_down() -> ApiError:
+    """503 ``server_shutting_down``, ``Retry-After: 1``: the gateway is
+    stopping and its grace ran out before the request was answered."""
+    return ApiError(
+        503,
+        "The gateway is stopping; the request was not answered. Retry.",
+        type="server_error",
+        code="server_shutting_down",
+        headers=[(b"retry-after", b"1")],
     )
 
 

@@ -42,6 +42,7 @@ class Port:
     secret: str
     store: Store
     usage: UsageWriter
+    stop: trio.Event
 
     def request(self, doc: dict[str, Any], *, connection: str = "") -> bytes:
         body = orjson.dumps(doc)
@@ -102,7 +103,7 @@ async def port(tmp_path: Path) -> AsyncIterator[Port]:
         )
         client_port = await nursery.start(serve_http1, gateway, "127.0.0.1:0", stop, 1.0)
         try:
-            yield Port(sim, int(client_port.rsplit(":", 1)[1]), secret, store, usage)
+            yield Port(sim, int(client_port.rsplit(":", 1)[1]), secret, store, usage, stop)
         finally:
             await gateway.aclose()
             stop.set()
@@ -205,3 +206,25 @@ async def test_the_watch_is_offered_to_apps_on_the_client_port(port: Port) -> No
         stop.set()
     assert len(seen) == 1
     assert callable(seen[0])
+
+
+async def test_a_request_the_stop_cuts_before_its_answer_gets_a_503(port: Port) -> None:
+    # The stop's grace (1 s here) runs out while the engine has not
+    # answered: the client gets a 503 it can retry, not a dropped
+    # connection, and the request is recorded as 503.
+    stream_ = await trio.open_tcp_stream("127.0.0.1", port.port)
+    async with stream_:
+        await stream_.send_all(port.request(CHAT))
+        await wait_for(lambda: port.sim.pacer.running == 1)
+        port.stop.set()
+        got = b""
+        with trio.fail_after(DEADLINE_S):
+            while chunk := await stream_.receive_some(65536):
+                got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 "), got
+    assert b"retry-after: 1" in head.lower()
+    assert orjson.loads(body)["error"]["code"] == "server_shutting_down"
+    with trio.fail_after(DEADLINE_S):
+        while await rows_with_status(port, 503) != 1:  # noqa: ASYNC110 (the store, polled)
+            await trio.sleep(0.05)
