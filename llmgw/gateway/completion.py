@@ -56,14 +56,11 @@ from .parse import (
     read_body,
 )
 from .recording import Recorder
-from .relay import Relay
+from .relay import CUT_ANSWER_S, Relay
 from .request import NO_SCOPE, Outcome, Request, new_request_id
 from .sse import Usage
 
-__all__ = ["CUT_ANSWER_S", "ROUTES", "Completions"]
-
-#: The longest the 503 to a request cut by the stop's grace may take to send, seconds.
-CUT_ANSWER_S: Final = 1.0
+__all__ = ["ROUTES", "Completions"]
 
 log = logging.getLogger("llmgw.gateway")
 

@@ -45,7 +45,7 @@ from .request import Outcome, Request
 from .sse import SseRelay, Usage, usage_from
 from .upstream import UpstreamError, UpstreamPool, UpstreamResponse, default_ssl_context
 
-__all__ = ["UPSTREAM_PATH", "HasSettings", "Relay"]
+__all__ = ["CUT_ANSWER_S", "UPSTREAM_PATH", "HasSettings", "Relay"]
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -58,6 +58,10 @@ UPSTREAM_PATH: Final = {
     "messages": b"/v1/chat/completions",
     "responses": b"/v1/chat/completions",
 }
+
+#: The longest the last words to a client cut by the stop's grace (a
+#: stream's error event, a 503) may take to send, seconds.
+CUT_ANSWER_S: Final = 1.0
 
 _BROKEN_STREAM_EVENT: Final = (
     b'data: {"error":{"message":"The replica answering broke off mid-answer; retry.",'
@@ -409,7 +413,7 @@ class Relay:
             # Cut short: the client left (then this is dropped), or the stop's
             # grace ran out (then the client is told, not left with a torn stream).
             if not shape.done:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                with trio.CancelScope(shield=True), trio.move_on_after(CUT_ANSWER_S):
                     await send(
                         {"type": "http.response.body", "body": _cut(request), "more_body": False}
                     )
@@ -486,7 +490,7 @@ class Relay:
                 except trio.Cancelled:
                     # Cut short: the client left, or the stop's grace ran out.
                     if begun and not shape.done:
-                        with trio.CancelScope(shield=True), trio.move_on_after(1):
+                        with trio.CancelScope(shield=True), trio.move_on_after(CUT_ANSWER_S):
                             await send(
                                 {
                                     "type": "http.response.body",
