@@ -27,9 +27,12 @@ Two policies, by ``sync_interval_s`` (the setting ``auth.usage_sync_interval``):
   event was not yet set were never acknowledged to their clients (the end
   of their answer was held back) and may be lost by either.
 
-The usage writer (:mod:`llmgw.accounting.usage`) reads closed segments
-back, writes their rows into the store (idempotent by ``request_id``) and
-then deletes them; :meth:`UsageJournal.rotate` closes the active segment.
+The usage writer (:mod:`llmgw.accounting.usage`) writes the rows of closed
+segments into the store (idempotent by ``request_id``) and then deletes
+them; :meth:`UsageJournal.rotate` closes the active segment. The rows this
+process wrote are kept in memory as written (up to :data:`HELD_ROWS`,
+:meth:`UsageJournal.held_rows`); only an earlier process's segments, or
+segments past that many rows while the store is behind, are read back.
 Segments left by a crashed process are closed segments to the next one.
 
 Streams under way: :meth:`UsageJournal.begin` adds a "started" record (the
@@ -51,7 +54,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final, NoReturn
 
@@ -75,6 +78,10 @@ PROGRESS_S: Final = 0.25
 #: The default longest time between a row's write and its ``fdatasync``, in
 #: seconds (``auth.usage_sync_interval``; 0 = group commit, module docstring).
 SYNC_INTERVAL_S: Final = 0.2
+#: Rows of this process's closed segments kept in memory for the usage writer,
+#: at most (a row is ~1 KiB there): past this, a segment's rows are read back
+#: from its file instead (:meth:`UsageJournal.held_rows`).
+HELD_ROWS: Final = 20_000
 #: The pending-bytes figure that first gets a warning; then each doubling.
 WARN_BYTES: Final = 1 << 20
 #: ... and only once the oldest of those bytes has waited this long, in
@@ -198,6 +205,9 @@ class UsageJournal:
         self._active_since = 0.0
         self._number = max((int(p.stem) for p in existing), default=0) + 1
         self._file = self._open(self._number)
+        #: The number of the segment ``_file`` is (``_number`` runs ahead of
+        #: it while :meth:`rotate` opens the next one).
+        self._file_number = self._number
         #: Segments numbered below this were left by an earlier process.
         self.first_live = self._number
         #: Streams under way: request id → the row a cut now would get.
@@ -205,7 +215,13 @@ class UsageJournal:
         self._progress_at = 0.0
         self._active_bytes = 0
         self._group: list[bytes] = []
+        self._group_rows: list[UsageRow] = []
         self._group_done = trio.Event()
+        #: Segment number → the rows written to it, in order, while they are
+        #: kept (:meth:`held_rows`); segments whose rows are not all kept.
+        self._held: dict[int, list[UsageRow]] = {}
+        self._held_count = 0
+        self._unheld: set[int] = set()
         self._wake = trio.Event()
         #: Serialises the committer's writes with :meth:`rotate`.
         self._lock = trio.Lock()
@@ -254,15 +270,17 @@ class UsageJournal:
         row is written now and ``None`` is returned. A row that could not be
         written is logged and counted in ``llmgw_usage_dropped_total``."""
         self._in_flight.pop(row.request_id, None)
-        self._add(encode_row(row), rows=1)
+        self._add(encode_row(row), rows=1, row=row)
         if self.sync_interval_s > 0:
             return None
         self._wake.set()
         return self._group_done
 
-    def _add(self, record: bytes, *, rows: int) -> None:
+    def _add(self, record: bytes, *, rows: int, row: UsageRow | None = None) -> None:
         if self.sync_interval_s == 0:
             self._group.append(record)
+            if row is not None:
+                self._group_rows.append(row)
             return
         try:
             _write_all(self._file, record)
@@ -275,9 +293,38 @@ class UsageJournal:
         if not self._active_bytes:
             self._active_since = self._clock()
         self._active_bytes += len(record)
+        if row is not None:
+            self._hold(self._file_number, (row,))
         if not self._unsynced:
             self._unsynced = True
             self._wake.set()
+
+    def _hold(self, number: int, rows: Sequence[UsageRow]) -> None:
+        """Keep ``rows``, just written to segment ``number``, for
+        :meth:`held_rows`, unless that would pass :data:`HELD_ROWS` (then
+        none of that segment's rows are kept)."""
+        if number in self._unheld:
+            return
+        held = self._held.setdefault(number, [])
+        if self._held_count + len(rows) > HELD_ROWS:
+            self._unheld.add(number)
+            self._held_count -= len(held)
+            del self._held[number]
+            return
+        held.extend(rows)
+        self._held_count += len(rows)
+
+    def held_rows(self, segment: Path) -> list[UsageRow] | None:
+        """The rows of ``segment``, a closed segment this process wrote, as
+        they were appended (what :func:`read_segment` reads back from a
+        whole file), without reading the file: decoding it would hold the
+        interpreter's lock in a worker thread for milliseconds, and the
+        event loop with it. ``None`` when they were not kept: a segment an
+        earlier process left, or one past :data:`HELD_ROWS` rows held."""
+        number = int(segment.stem)
+        if number < self.first_live or number in self._unheld:
+            return None
+        return self._held.get(number, [])
 
     def crashed_segments(self) -> list[Path]:
         """The closed segments an earlier process left, oldest first."""
@@ -293,10 +340,10 @@ class UsageJournal:
             await self._sync()
             return
         async with self._lock:
-            group, done = self._group, self._group_done
+            group, done, rows = self._group, self._group_done, self._group_rows
             if not group:
                 return
-            self._group, self._group_done = [], trio.Event()
+            self._group, self._group_done, self._group_rows = [], trio.Event(), []
             data = b"".join(group)
             fd = self._file
             try:
@@ -308,6 +355,7 @@ class UsageJournal:
                 if not self._active_bytes:
                     self._active_since = self._clock()
                 self._active_bytes += len(data)
+                self._hold(self._file_number, rows)
                 self._update_gauge()
             finally:
                 done.set()
@@ -356,6 +404,7 @@ class UsageJournal:
             old = self._file
             self._number += 1
             self._file = await trio.to_thread.run_sync(self._open, self._number)
+            self._file_number = self._number
             if self._unsynced:
                 # Its rows go to the store next; on the disk first.
                 await trio.to_thread.run_sync(os.fdatasync, old)
@@ -376,6 +425,9 @@ class UsageJournal:
         """Delete a closed segment whose rows are in the store."""
         size = segment.stat().st_size
         segment.unlink()
+        number = int(segment.stem)
+        self._held_count -= len(self._held.pop(number, ()))
+        self._unheld.discard(number)
         self._since.pop(segment.name, None)
         self._closed_bytes -= size
         self._update_gauge()

@@ -10,10 +10,10 @@ twice); rows are dropped only when the buffer is full, and counted in
 
 With a :class:`~llmgw.accounting.journal.UsageJournal` the rows do not wait
 in memory: :meth:`UsageWriter.record` appends each to the journal and returns
-the event set once it is on disk, and the writer reads the journal's closed
-segments back into the store, deleting each once its rows are stored (rows
-of a crashed process included, and a cut row for each of its streams left
-unfinished). While the store fails the rows wait in the
+the event set once it is on disk, and the writer writes the rows of the
+journal's closed segments into the store, deleting each once its rows are
+stored (rows of a crashed process included, read back from its files, and a
+cut row for each of its streams left unfinished). While the store fails the rows wait in the
 journal, bounded by the disk.
 """
 
@@ -115,9 +115,11 @@ class UsageWriter:
                 for segment in crashed:
                     journal.delete(segment)
             for segment in journal.closed_segments():
-                rows = await trio.to_thread.run_sync(read_segment, segment)
-                for start in range(0, len(rows), self.batch_size):
-                    await _write_batch(store, rows[start : start + self.batch_size])
+                held = journal.held_rows(segment)
+                if held is None:
+                    held = await trio.to_thread.run_sync(read_segment, segment)
+                for start in range(0, len(held), self.batch_size):
+                    await _write_batch(store, held[start : start + self.batch_size])
                 journal.delete(segment)
             return
         while self._rows:

@@ -406,3 +406,72 @@ async def test_bytes_pending_are_warned_of_only_once_the_oldest_has_waited(
     assert journal.pending_bytes == 0
     assert journal.oldest_s() == 0.0
     journal.close()
+
+
+async def test_the_writer_takes_this_process_rows_from_memory_not_from_the_file(
+    tmp_path: Path, sync_s: float, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Decoding a segment in a worker thread holds the interpreter's lock, and
+    # the event loop with it, for milliseconds a flush: the rows this process
+    # wrote are kept as appended, the same rows the file holds.
+    directory = tmp_path / "j"
+    journal = UsageJournal(directory, sync_interval_s=sync_s)
+    writer = UsageWriter(journal=journal)
+    for n in range(30):
+        writer.record(row(n))
+        if n % 10 == 9:
+            journal.begin(f"stream_{n}", partial(row, 1000 + n))
+            await journal.commit()
+            await journal.rotate()
+    await journal.commit()
+    closed = journal.closed_segments()
+    assert len(closed) == 3
+    for segment in closed:
+        assert journal.held_rows(segment) == read_segment(segment)
+    assert sum(len(journal.held_rows(s) or ()) for s in closed) == 30
+
+    def no_reading(path: Path) -> list[UsageRow]:
+        raise AssertionError(f"{path.name} read back")
+
+    monkeypatch.setattr("llmgw.accounting.usage.read_segment", no_reading)
+    await writer.flush(store)
+    journal.close()
+    assert await stored_ids(store) == {row(n).request_id for n in range(30)}
+
+
+async def test_past_the_held_rows_a_segment_is_read_back_from_its_file(
+    tmp_path: Path, sync_s: float, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("llmgw.accounting.journal.HELD_ROWS", 5)
+    directory = tmp_path / "j"
+    earlier = UsageJournal(directory, sync_interval_s=sync_s)
+    earlier.append(row(100))
+    await earlier.commit()
+    earlier.close()
+    journal = UsageJournal(directory, sync_interval_s=sync_s)
+    writer = UsageWriter(journal=journal)
+    for n in range(4):
+        writer.record(row(n))
+    await journal.commit()
+    await journal.rotate()
+    for n in range(4, 8):  # 4 + 4 > 5: none of this segment's rows are kept
+        writer.record(row(n))
+    await journal.commit()
+    await journal.rotate()
+    old, first, second = journal.closed_segments()
+    assert journal.held_rows(old) is None  # an earlier process's
+    assert journal.held_rows(first) == [row(n) for n in range(4)]
+    assert journal.held_rows(second) is None
+    assert read_segment(second) == [row(n) for n in range(4, 8)]
+    await writer.flush(store)
+    assert journal.closed_segments() == []
+    # Deleted segments give their place back.
+    for n in range(8, 13):
+        writer.record(row(n))
+    await journal.commit()
+    await journal.rotate()
+    (third,) = journal.closed_segments()
+    assert journal.held_rows(third) == [row(n) for n in range(8, 13)]
+    await writer.flush(store)
+    journal.close()
+    assert await stored_ids(store) == {row(n).request_id for n in [*range(13), 100]}
