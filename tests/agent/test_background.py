@@ -25,6 +25,7 @@ import pytest
 import trio
 
 from llmgw.agent import background
+from llmgw.agent import main as agent_main
 from llmgw.agent.background import (
     Yielding,
     busy_cpu_seconds,
@@ -32,7 +33,13 @@ from llmgw.agent.background import (
     lowest_cpu_priority,
     run_when_idle,
 )
-from llmgw.agent.bandwidth import Bandwidth, BandwidthInterrupted, measure_bandwidth
+from llmgw.agent.bandwidth import (
+    Bandwidth,
+    BandwidthError,
+    BandwidthInterrupted,
+    measure_bandwidth,
+)
+from llmgw.agent.main import AgentConfig
 from llmgw.agent.weights import assemble_starter_model
 from llmgw.engines.testing import engine_process_env, read_line, stop_process
 
@@ -384,3 +391,56 @@ async def test_the_real_probe_waits_while_the_starter_model_answers(
         assert "memory bandwidth measurement gave way: the node got busy" in caplog.text
     finally:
         await stop_process(engine)
+
+
+async def test_an_error_of_the_work_reaches_the_caller_as_itself(short_windows: None) -> None:
+    # Not inside an exception group: the agent's ``except BandwidthError``
+    # must catch it (a machine whose largest cache asks for a bigger buffer
+    # than a quarter of its memory once stopped ``llmgw up`` this way).
+    node = _Node()
+
+    def work(run: Yielding) -> str:
+        raise BandwidthError("not measured: a buffer of at least 3840 MiB is needed")
+
+    with trio.fail_after(DEADLINE_S), pytest.raises(BandwidthError, match="3840 MiB"):
+        await run_when_idle(
+            "test", work, busy_cpus=0.25, interrupted=BandwidthInterrupted, clock=node.clock
+        )
+
+
+async def test_the_agent_logs_a_measurement_it_cannot_make_and_goes_on(
+    short_windows: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tries: list[float] = []
+    tried_twice = trio.Event()
+
+    def measure(run: Yielding) -> Bandwidth:
+        tries.append(time.monotonic())
+        if len(tries) == 2:
+            trio.from_thread.run_sync(tried_twice.set)
+        raise BandwidthError("not measured: a buffer of at least 3840 MiB is needed")
+
+    monkeypatch.setattr(
+        agent_main,
+        "_bandwidth_measurer",
+        lambda: (measure, BandwidthError, BandwidthInterrupted),
+    )
+    config = AgentConfig(
+        server_url="ws://127.0.0.1:1/agent",
+        token="",
+        bandwidth_first_delay_s=(0.0, 0.0),
+        bandwidth_interval_s=0.01,
+        bandwidth_busy_cpus=64.0,  # whatever else runs, the node counts as idle
+    )
+    telemetry = agent_main._Telemetry()
+    telemetry.registered.set()
+    caplog.set_level(logging.INFO, logger="llmgw.agent")
+    with trio.move_on_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(agent_main._serve_bandwidth, config, telemetry, 2)
+            await tried_twice.wait()
+            nursery.cancel_scope.cancel()
+    assert len(tries) >= 2  # tried again after the first failure, still running
+    assert "memory bandwidth not measured: not measured: a buffer" in caplog.text
+    assert "trying again later" in caplog.text
+    assert telemetry.memory_bandwidth_gbps == 0.0

@@ -214,6 +214,7 @@ async def run_when_idle(
                     run.stop.set()
                     return
 
+        failed: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch)
             try:
@@ -225,10 +226,16 @@ async def run_when_idle(
             except trio.Cancelled:
                 run.stop.set()  # the abandoned thread ends at its next piece
                 raise
+            except Exception as exc:
+                # Raised out of the nursery it would reach the caller inside
+                # an exception group, past its ``except`` for the error.
+                failed = exc
             else:
                 return result
             finally:
                 nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
         log.info(
             "%s gave way: the node got busy (%.2f CPUs used by others); "
             "trying again once it is idle",
