@@ -15,8 +15,8 @@ gateway --mode MODE`` from that checkout's ``.venv``, ``NAME=PATH@MODE``
 for a mode of its own) is started once, pinned to core 0, and primed with
 one request. Then each cycle sends one streamed request to the engine
 alone, then one through each gateway (their order turned by one every
-cycle), from this process (pinned to core 1), one at a time. A request's
-time runs from its send to its last byte.
+cycle), from this process (pinned to core 1), one at a time, each on a
+new connection. A request's time runs from its send to its last byte.
 
 Each request through a gateway is compared with the engine alone's
 requests just before and just after it (the mean of the two, so a steady
@@ -126,7 +126,11 @@ def _cycles(
     gateways: dict[str, tuple[subprocess.Popen[str], str, str]],
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with httpx.Client(timeout=STEP_TIMEOUT_S) as client:
+    # A new connection for every request, to every system alike: reusing
+    # one the engine had just closed failed a run's first request
+    # ("Server disconnected without sending a response").
+    no_reuse = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(timeout=STEP_TIMEOUT_S, limits=no_reuse) as client:
         for _, url, key in gateways.values():
             _one(client, url, key, body)  # primed, not counted
         _one(client, args.engine_url, args.engine_key, body)

@@ -134,7 +134,7 @@ def buffer_bytes_for(mem_available_bytes: int, largest_cache: int, cpus: int = 1
     ceiling = min(MAX_BUFFER_BYTES, mem_available_bytes // 4) // MIB * MIB
     if ceiling < floor:
         raise BandwidthError(
-            f"not measured: a buffer of at least {floor // MIB} MiB is needed and only "
+            f"a buffer of at least {floor // MIB} MiB is needed and only "
             f"{ceiling // MIB} MiB (a quarter of {mem_available_bytes // MIB} MiB available) "
             "can be had"
         )
@@ -269,7 +269,7 @@ def measure_bandwidth(
     try:
         buffer = np.empty(items, dtype=np.uint64)
     except MemoryError:
-        raise BandwidthError(f"not measured: cannot allocate {buffer_bytes // MIB} MiB") from None
+        raise BandwidthError(f"cannot allocate {buffer_bytes // MIB} MiB") from None
     chunks = np.array_split(buffer, readers)
     # Touch every page with a non-zero value, each reader its own part (an
     # untouched or zeroed buffer may map the shared zero page and read fast).
