@@ -34,6 +34,13 @@ def test_buffer_within_the_spec_bounds() -> None:
         buffer_bytes_for(800 * MIB, 1 * MIB, 2)
     with pytest.raises(BandwidthError, match="at least 512 MiB"):
         buffer_bytes_for(1024 * MIB, 64 * MIB, 2)
+    # A 480 MiB L3 (as some VMs report) asks for more than the 2 GiB cap.
+    with pytest.raises(
+        BandwidthError,
+        match=r"at least 3840 MiB is needed and at most 2048 MiB can be had "
+        r"\(the smaller of 2048 MiB and a quarter of the 23120 MiB available\)",
+    ):
+        buffer_bytes_for(23120 * MIB, 480 * MIB, 2)
 
 
 def test_largest_cache_from_sysfs(tmp_path: Path) -> None:

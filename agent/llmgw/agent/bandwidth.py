@@ -134,9 +134,9 @@ def buffer_bytes_for(mem_available_bytes: int, largest_cache: int, cpus: int = 1
     ceiling = min(MAX_BUFFER_BYTES, mem_available_bytes // 4) // MIB * MIB
     if ceiling < floor:
         raise BandwidthError(
-            f"a buffer of at least {floor // MIB} MiB is needed and only "
-            f"{ceiling // MIB} MiB (a quarter of {mem_available_bytes // MIB} MiB available) "
-            "can be had"
+            f"a buffer of at least {floor // MIB} MiB is needed and at most "
+            f"{ceiling // MIB} MiB can be had (the smaller of {MAX_BUFFER_BYTES // MIB} MiB "
+            f"and a quarter of the {mem_available_bytes // MIB} MiB available)"
         )
     wanted = max(floor, _CORE_BYTES, 64 * MIB * max(cpus, 1))
     return min(wanted, ceiling)
