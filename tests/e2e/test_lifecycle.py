@@ -86,6 +86,24 @@ def _port_open(port: int) -> bool:
 _logs: list[Callable[[], str]] = []
 
 
+def _bandwidth_measurable() -> bool:
+    """Whether this machine can have the bandwidth probe's buffer: at least
+    ``max(256 MiB, 8 x the largest CPU cache)``, at most ``min(2 GiB, a
+    quarter of MemAvailable)`` (docs/up.md), read here from sysfs and
+    /proc independently of the agent's own code."""
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3}
+    largest = 0
+    for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*/size"):
+        text = path.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in units:
+            largest = max(largest, int(text[:-1]) * units[text[-1]])
+    available = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            available = int(line.split()[1]) * 1024
+    return max(256 * 1024**2, 8 * largest) <= min(2 * 1024**3, available // 4)
+
+
 def _wait_for(what: str, predicate: Callable[[], Any], timeout_s: float = STEP_TIMEOUT_S) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -794,6 +812,24 @@ def test_8_plan_of_the_starter_gguf_gives_weights_kv_and_a_cpu_speed(cluster: Cl
 
     # The CPU estimate needs the node's memory bandwidth: the agent measures
     # it 10-120 s after registering and sends it in every heartbeat.
+    if not _bandwidth_measurable():
+        # This machine's largest cache asks for a bigger buffer than can be
+        # had (docs/up.md, "Background measurements"): nothing is measured,
+        # the agent says so and goes on, and the plan's speed is unknown.
+        _wait_for(
+            "the agent said it cannot measure its memory bandwidth",
+            lambda: (
+                "memory bandwidth not measured: a buffer of at least" in cluster.agent.running_log()
+            ),
+            150.0,
+        )
+        assert "memory bandwidth: read_gbs=" not in cluster.agent.running_log()
+        assert cluster.json("ctl", "nodes")["data"][0]["memory_bandwidth_gbps"] == 0
+        doc = cluster.json("ctl", "model", "plan", str(source))
+        assert doc["best"]["tokens_per_second"] == 0, doc["best"]  # 0 = unknown
+        ready = httpx.get(f"{cluster.base_url}/ready", timeout=HTTP_TIMEOUT_S)
+        assert ready.status_code == 200  # still serving
+        return
     _wait_for(
         "the agent measured its memory bandwidth",
         lambda: "memory bandwidth: read_gbs=" in cluster.agent.running_log(),
