@@ -262,7 +262,7 @@ class UsageJournal:
         self._in_flight[request_id] = snapshot
         # It rides with the next group or sync (another row's, or the
         # progress tick at most PROGRESS_S away): no sync of its own.
-        self._add(encode_start(snapshot()), rows=0)
+        self._add(encode_start(snapshot()))
 
     def append(self, row: UsageRow) -> trio.Event | None:
         """Journal ``row``. Group commit: the returned event is set once its
@@ -270,13 +270,15 @@ class UsageJournal:
         row is written now and ``None`` is returned. A row that could not be
         written is logged and counted in ``llmgw_usage_dropped_total``."""
         self._in_flight.pop(row.request_id, None)
-        self._add(encode_row(row), rows=1, row=row)
+        self._add(encode_row(row), row)
         if self.sync_interval_s > 0:
             return None
         self._wake.set()
         return self._group_done
 
-    def _add(self, record: bytes, *, rows: int, row: UsageRow | None = None) -> None:
+    def _add(self, record: bytes, row: UsageRow | None = None) -> None:
+        """Write ``record`` (or gather it into the group): ``row``'s, or a
+        "started" record when ``row`` is ``None``."""
         if self.sync_interval_s == 0:
             self._group.append(record)
             if row is not None:
@@ -285,6 +287,7 @@ class UsageJournal:
         try:
             _write_all(self._file, record)
         except OSError as exc:
+            rows = 0 if row is None else 1
             if rows:
                 metrics.USAGE_DROPPED.inc(rows)
             log.error("usage journal write failed: %d rows lost (%s)", rows, exc)
@@ -390,7 +393,7 @@ class UsageJournal:
             return
         self._progress_at = now + PROGRESS_S
         for snapshot in self._in_flight.values():
-            self._add(encode_start(snapshot()), rows=0)
+            self._add(encode_start(snapshot()))
 
     async def rotate(self) -> None:
         """Close the active segment (when it holds anything) and start a new one.

@@ -13,8 +13,8 @@ in memory: :meth:`UsageWriter.record` appends each to the journal and returns
 the event set once it is on disk, and the writer writes the rows of the
 journal's closed segments into the store, deleting each once its rows are
 stored (rows of a crashed process included, read back from its files, and a
-cut row for each of its streams left unfinished). While the store fails the rows wait in the
-journal, bounded by the disk.
+cut row for each of its streams left unfinished). While the store fails the
+rows wait in the journal, bounded by the disk.
 """
 
 from __future__ import annotations
